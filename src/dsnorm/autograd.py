@@ -1,0 +1,217 @@
+"""Autograd Functions over the custom ops, and the functional API.
+
+``y = weight * s / sqrt(mean(s^2) + eps)`` with ``s = x`` (or ``x + residual``), computed in fp32
+(fp64 for fp64 inputs) and cast once to ``x.dtype``. Gradients are those of that formula (the
+``"hf"`` and ``"round_first"`` roundings pass gradients straight through).
+
+When no gradient is needed the functions skip the Function (nothing is saved), and in plain
+eager code they call the op's implementation directly: at decode sizes the dispatcher's round trip
+(~2 µs) costs more than the norm. The op itself is used whenever anything could observe the
+difference: torch.compile tracing, tensor subclasses (DTensor, FakeTensor), functorch transforms,
+and torch function or dispatch modes (CommDebugMode, FlopCounterMode...).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from dsnorm import ops
+from dsnorm.ref import EPS, compute_dtype
+
+_infer = torch.ops.dsnorm.rms_norm
+_fused_infer = torch.ops.dsnorm.fused_add_rms_norm
+_fwd = torch.ops.dsnorm.rms_norm_fwd
+_fused_fwd = torch.ops.dsnorm.fused_add_rms_norm_fwd
+_fused_inplace = torch.ops.dsnorm.fused_add_rms_norm_
+_bwd = torch.ops.dsnorm.rms_norm_bwd
+_fused_bwd = torch.ops.dsnorm.fused_add_rms_norm_bwd
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """``rms_norm`` on 2-D ``[rows, n]`` input; weight in the compute dtype."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps, cast):
+        y, rstd = _fwd(x, weight, eps, cast)
+        ctx.save_for_backward(x, weight, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, rstd = ctx.saved_tensors
+        dx, dweight = _bwd(dy.contiguous(), x, weight, rstd)
+        return dx, dweight, None, None
+
+
+class FusedAddRMSNormFunction(torch.autograd.Function):
+    """``fused_add_rms_norm`` on 2-D ``[rows, n]`` inputs; weight in the compute dtype."""
+
+    @staticmethod
+    def forward(ctx, x, residual, weight, eps, cast, residual_rounding, residual_dtype):
+        y, residual_out, rstd = _fused_fwd(x, residual, weight, eps, cast, residual_rounding, residual_dtype)
+        ctx.save_for_backward(x, residual, weight, rstd)
+        ctx.residual_rounding = residual_rounding
+        return y, residual_out
+
+    @staticmethod
+    def backward(ctx, dy, dresidual_out):
+        x, residual, weight, rstd = ctx.saved_tensors
+        if dy is None:
+            dy = torch.zeros_like(x)
+        dx, dresidual, dweight = _fused_bwd(
+            dy.contiguous(), x, residual, weight, rstd,
+            None if dresidual_out is None else dresidual_out.contiguous(), ctx.residual_rounding,
+        )
+        return dx, dresidual, dweight, None, None, None, None
+
+
+_is_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def _direct(*tensors) -> bool:
+    """True when calling the op's implementation directly is indistinguishable from the op."""
+    if torch.compiler.is_compiling():  # first: nothing below needs tracing then
+        return False
+    for t in tensors:
+        if type(t) not in _PLAIN_TYPES or _is_functorch_wrapped(t):
+            return False
+    return torch._C._len_torch_dispatch_stack() == 0 and not torch._C._is_torch_function_mode_enabled()
+
+
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def _compute_weight(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    # bf16/fp16 gains widen exactly; the cast is differentiable, so dweight comes back in the
+    # weight's own dtype.
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if weight.dtype not in ops.INPUT_DTYPES:
+        raise TypeError(f"weight must be float32, bfloat16, float16 or float64, got {weight.dtype}")
+    cdtype = compute_dtype(x.dtype) if x.dtype in ops.INPUT_DTYPES else torch.float32
+    return weight if weight.dtype == cdtype else weight.to(cdtype)
+
+
+def _flat(t: torch.Tensor, name: str) -> torch.Tensor:
+    ops.check_input(t, name)
+    return ops.as_rows(t)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = EPS, *, cast: str = "deepseek") -> torch.Tensor:
+    """``y = (weight * (x * rsqrt(mean(x^2, -1) + eps))).to(x.dtype)``, computed in fp32.
+
+    Args:
+        x: ``[..., n]`` float32 / bfloat16 / float16 (float64 is computed in float64); rows may be
+            strided (unit stride along the last dimension is read in place).
+        weight: ``[n]`` gain; float32 is canonical, bf16/fp16 are widened exactly.
+        eps: added to the mean square, finite and > 0.
+        cast: ``"deepseek"`` (reference: fp32 weight times fp32 x̂, one rounding) or ``"hf"``
+            (Hugging Face: ``weight.to(x.dtype) * x̂.to(x.dtype)``).
+
+    Returns:
+        ``y``: ``[..., n]`` in ``x.dtype``, contiguous.
+    """
+    w = _compute_weight(weight, x)
+    if not _needs_grad(x, w):
+        if _direct(x, w):
+            return ops.rms_norm(x, w, eps, cast)
+        return _infer(x, w, eps, cast)
+    x2 = _flat(x, "x")
+    return RMSNormFunction.apply(x2, w, eps, cast).view(x.shape)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = EPS,
+    *,
+    cast: str = "deepseek",
+    residual_rounding: str = "fp32_sum",
+    residual_dtype: Optional[torch.dtype] = None,
+):
+    """``s = x.float() + residual.float()``; ``y = (weight * (s * rsqrt(mean(s^2) + eps))).to(x.dtype)``.
+
+    The norm is taken of the unrounded fp32 sum (DeepSeek's ``RMSNorm.forward(x, residual)``).
+
+    Args:
+        x: ``[..., n]`` float32 / bfloat16 / float16 / float64; the block's output.
+        residual: ``[..., n]`` residual stream, ``x.dtype`` (or float32 with
+            ``residual_dtype=torch.float32``).
+        weight: ``[n]`` gain (float32 canonical; bf16/fp16 widened exactly).
+        eps: finite and > 0.
+        cast: ``"deepseek"`` or ``"hf"`` (see :func:`rms_norm`).
+        residual_rounding: ``"fp32_sum"`` (reference: normalise the unrounded sum) or
+            ``"round_first"`` (vLLM CUDA / Liger: normalise ``s.to(x.dtype)``).
+        residual_dtype: ``None`` (residual returned in ``x.dtype``) or ``torch.float32`` (the
+            residual stream kept in fp32; contradicts ``"round_first"``).
+
+    Returns:
+        ``(y, residual_out)``: ``y`` in ``x.dtype``; ``residual_out = s`` in ``residual_dtype``
+        (``x.dtype`` by default), both fresh contiguous ``[..., n]`` tensors.
+    """
+    w = _compute_weight(weight, x)
+    if not isinstance(residual, torch.Tensor):
+        raise TypeError(f"residual must be a torch.Tensor, got {type(residual).__name__}")
+    if not _needs_grad(x, residual, w):
+        if _direct(x, residual, w):
+            return ops.fused_add_rms_norm(x, residual, w, eps, cast, residual_rounding, residual_dtype)
+        return _fused_infer(x, residual, w, eps, cast, residual_rounding, residual_dtype)
+    ops.check_residual(residual, x, residual_dtype)
+    y, residual_out = FusedAddRMSNormFunction.apply(
+        _flat(x, "x"), _flat(residual, "residual"), w, eps, cast, residual_rounding, residual_dtype
+    )
+    return y.view(x.shape), residual_out.view(x.shape)
+
+
+def fused_add_rms_norm_(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = EPS,
+    *,
+    cast: str = "deepseek",
+    residual_rounding: str = "fp32_sum",
+    residual_dtype: Optional[torch.dtype] = None,
+):
+    """In place: ``residual <- s = x + residual``; ``x <- weight * s * rsqrt(mean(s^2) + eps)``.
+
+    The same values as :func:`fused_add_rms_norm`, written into the inputs (the vLLM / flashinfer
+    contract) for callers who need the memory. Inference only: refuses tensors that require grad.
+
+    Args:
+        x: ``[..., n]`` float32 / bfloat16 / float16 / float64, overwritten with ``y``.
+        residual: ``[..., n]``, overwritten with the new residual in its own dtype: ``x.dtype``, or
+            float32 to carry an fp32 stream (then ``residual_dtype`` may be ``torch.float32``).
+        weight, eps, cast, residual_rounding: as in :func:`fused_add_rms_norm`.
+        residual_dtype: ``None`` or ``torch.float32``; must match the residual buffer's dtype when given.
+
+    Returns:
+        ``(x, residual)``, the same tensor objects.
+    """
+    w = _compute_weight(weight, x)
+    if _needs_grad(x, residual, w):
+        raise RuntimeError(
+            "fused_add_rms_norm_ writes its inputs and has no gradient; use fused_add_rms_norm for "
+            "training or call it under torch.no_grad()"
+        )
+    if residual_dtype is not None:
+        ops.check_options(eps, cast, residual_rounding, residual_dtype)
+        if isinstance(residual, torch.Tensor) and residual.dtype != residual_dtype:
+            raise TypeError(
+                f"residual must be a {residual_dtype} buffer for residual_dtype={residual_dtype} in place, "
+                f"got {residual.dtype}"
+            )
+    if _direct(x, residual, w):
+        ops.fused_add_rms_norm_inplace(x, residual, w, eps, cast, residual_rounding)
+        # What the dispatcher would have done for a mutating op: saved-tensor checks see the write.
+        torch.autograd.graph.increment_version((x, residual))
+    else:
+        _fused_inplace(x, residual, w, eps, cast, residual_rounding)
+    return x, residual

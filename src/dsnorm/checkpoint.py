@@ -1,0 +1,788 @@
+"""Count and load the norm tensors of a safetensors checkpoint, reading only what is needed.
+
+A safetensors file is an 8-byte little-endian header length ``n``, ``n`` bytes of JSON mapping each
+tensor name to ``{"dtype", "shape", "data_offsets": [begin, end]}`` (offsets relative to the data
+section that follows the header; an optional ``"__metadata__"`` maps strings to strings), then the
+data. :func:`read_header` parses that header with the standard library, capped and validated, and
+never reads tensor data.
+
+* :func:`count_norms` / ``dsnorm count PATH``: every norm tensor of a checkpoint (a ``.safetensors``
+  file, a directory of shards, or a ``model.safetensors.index.json``), in the Hugging Face or the
+  reference naming, compared with the sites a model config expects (:mod:`dsnorm.sites`).
+* :func:`load_norms`: copies the norm gains of a checkpoint into the ``dsnorm.RMSNorm`` modules of a
+  model (bf16/fp16 stored values become exact fp32 parameters), all or nothing.
+
+Untrusted input: header lengths, JSON, dtypes, shapes and offsets are checked against the file
+before anything is believed; every problem is a :class:`CheckpointError` naming the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import struct
+import sys
+from dataclasses import dataclass, field, replace
+from typing import Any, Optional, Union
+
+from dsnorm.sites import (
+    HF_SUFFIX,
+    REF_SUFFIX,
+    ModelConfig,
+    enumerate_sites,
+    load_config,
+    read_json_file,
+)
+
+# Real shards of the 671B checkpoint have headers well under 1 MB; this cap (as in the safetensors
+# library) bounds the memory a hostile length can claim.
+MAX_HEADER_BYTES = 100 * 1000 * 1000
+MAX_INDEX_BYTES = 100 * 1000 * 1000
+# Size in bits of one element of each safetensors dtype.
+DTYPE_BITS = {
+    "BOOL": 8, "U8": 8, "I8": 8, "F8_E4M3": 8, "F8_E5M2": 8, "F8_E8M0": 8,
+    "I16": 16, "U16": 16, "F16": 16, "BF16": 16,
+    "I32": 32, "U32": 32, "F32": 32,
+    "I64": 64, "U64": 64, "F64": 64, "C64": 64,
+    "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6,
+}
+# Norm gains are stored as floats; these are the ones that convert exactly to a float32 parameter.
+LOADABLE_DTYPES = ("BF16", "F16", "F32")
+FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")
+MP_SHARD = re.compile(r"^model(\d+)-mp(\d+)\.safetensors$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file that cannot be trusted or read; the message names the file and the problem."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor entry of a safetensors header; ``begin``/``end`` are absolute byte offsets in ``file``."""
+
+    name: str
+    dtype: str
+    shape: tuple
+    begin: int
+    end: int
+    file: str
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass
+class SafetensorsHeader:
+    """The parsed, validated header of one safetensors file."""
+
+    path: str
+    file_size: int
+    header_len: int
+    tensors: dict
+    metadata: dict
+
+    @property
+    def data_start(self) -> int:
+        return 8 + self.header_len
+
+
+def _no_duplicates(pairs: list) -> dict:
+    d = {}
+    for k, v in pairs:
+        if k in d:
+            raise ValueError(f"duplicate key {k!r}")
+        d[k] = v
+    return d
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def read_header(path: Union[str, os.PathLike], max_header_bytes: int = MAX_HEADER_BYTES) -> SafetensorsHeader:
+    """Parse and validate the header of a safetensors file without reading any tensor data.
+
+    Args:
+        path: the ``.safetensors`` file.
+        max_header_bytes: refuse a header longer than this (memory bound against hostile files).
+
+    Returns:
+        :class:`SafetensorsHeader` whose ``tensors`` map each name to a :class:`TensorInfo`.
+
+    Raises:
+        CheckpointError: unreadable file, header length over the cap or past the end of the file,
+            invalid UTF-8/JSON, malformed entries, unknown-size data, offsets out of range or
+            overlapping, or a data section shorter than the header describes (truncated file).
+    """
+    path = os.fspath(path)
+
+    def fail(msg: str) -> CheckpointError:
+        return CheckpointError(f"{path}: {msg}")
+
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < 8:
+                raise fail(f"file is {size} bytes, too short for a safetensors header length")
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > max_header_bytes:
+                raise fail(f"header length {n:,} bytes exceeds the {max_header_bytes:,}-byte cap (not a safetensors file?)")
+            if 8 + n > size:
+                raise fail(f"header length {n:,} bytes runs past the end of the {size:,}-byte file (truncated or not safetensors)")
+            raw = f.read(n)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read: {e.strerror or e}") from None
+    if len(raw) != n:
+        raise fail(f"header ended after {len(raw):,} of {n:,} bytes (file changed while reading?)")
+    try:
+        obj = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+    except UnicodeDecodeError as e:
+        raise fail(f"header is not valid UTF-8: {e}") from None
+    except RecursionError:
+        raise fail("header JSON is nested too deeply") from None
+    except ValueError as e:
+        raise fail(f"header is not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise fail(f"header JSON is a {type(obj).__name__}, not an object")
+    metadata = obj.pop("__metadata__", {})
+    if not isinstance(metadata, dict):
+        raise fail("__metadata__ is not an object")
+    data_size = size - 8 - n
+    tensors = {}
+    spans = []
+    for name, entry in obj.items():
+        if not isinstance(entry, dict):
+            raise fail(f"tensor {name!r}: entry is not an object")
+        dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+        if not isinstance(dtype, str):
+            raise fail(f"tensor {name!r}: dtype missing or not a string")
+        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+            raise fail(f"tensor {name!r}: shape {shape!r} is not a list of non-negative integers")
+        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(o) for o in offsets)
+                or not 0 <= offsets[0] <= offsets[1]):
+            raise fail(f"tensor {name!r}: data_offsets {offsets!r} is not [begin, end] with 0 <= begin <= end")
+        begin, end = offsets
+        if end > data_size:
+            raise fail(
+                f"tensor {name!r}: data_offsets [{begin}, {end}] run past the {data_size:,}-byte data section "
+                "(file truncated?)"
+            )
+        bits = DTYPE_BITS.get(dtype)
+        if bits is not None:
+            need = (math.prod(shape) * bits + 7) // 8
+            if end - begin != need:
+                raise fail(f"tensor {name!r}: {dtype} {shape} needs {need:,} bytes, data_offsets give {end - begin:,}")
+        tensors[name] = TensorInfo(name, dtype, tuple(shape), 8 + n + begin, 8 + n + end, path)
+        if end > begin:
+            spans.append((begin, end, name))
+    spans.sort()
+    for (_, e0, a), (b1, _, b) in zip(spans, spans[1:]):
+        if b1 < e0:
+            raise fail(f"tensors {a!r} and {b!r} overlap in the data section")
+    return SafetensorsHeader(path, size, n, tensors, metadata)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Which files make up a checkpoint
+
+
+@dataclass
+class CheckpointFiles:
+    """The shard files of a checkpoint and how they relate.
+
+    Attributes:
+        path: what the user named.
+        root: the directory of the checkpoint (where ``config.json`` is looked for).
+        files: shard paths, model-parallel shards ordered by rank.
+        layout: ``"file"``, ``"directory"``, ``"index"`` or ``"model-parallel"``.
+        weight_map: tensor name -> shard path, from the index file (``None`` without one).
+        mp_size: ``N`` of ``model{i}-mp{N}.safetensors`` shards (``None`` otherwise).
+        problems: layout problems found (a model-parallel rank missing), as mismatch dicts.
+    """
+
+    path: str
+    root: str
+    files: list
+    layout: str
+    weight_map: Optional[dict] = None
+    mp_size: Optional[int] = None
+    problems: list = field(default_factory=list)
+
+
+def _read_index(index_path: str) -> dict:
+    obj = read_json_file(index_path, "safetensors index", MAX_INDEX_BYTES)
+    wm = obj.get("weight_map") if isinstance(obj, dict) else None
+    if not isinstance(wm, dict):
+        raise CheckpointError(f"{index_path}: index has no 'weight_map' object")
+    root = os.path.dirname(os.path.abspath(index_path))
+    out = {}
+    for name, fname in wm.items():
+        if not isinstance(fname, str) or not fname:
+            raise CheckpointError(f"{index_path}: weight_map[{name!r}] is not a file name")
+        # The index is untrusted: it may only name files inside its own directory.
+        if os.path.isabs(fname) or ".." in fname.replace("\\", "/").split("/"):
+            raise CheckpointError(f"{index_path}: weight_map[{name!r}] = {fname!r} points outside the checkpoint directory")
+        out[name] = os.path.join(root, fname)
+    missing = sorted({f for f in out.values() if not os.path.isfile(f)})
+    if missing:
+        raise CheckpointError(f"{index_path}: index names shard file(s) that do not exist: {', '.join(missing)}")
+    return out
+
+
+def resolve_checkpoint(path: Union[str, os.PathLike]) -> CheckpointFiles:
+    """Find the shard files of ``path``: a ``.safetensors`` file, a shard directory or an index JSON.
+
+    A directory with one ``*.safetensors.index.json`` is read through that index; otherwise all of its
+    ``*.safetensors`` files are shards. Files named ``model{i}-mp{N}.safetensors`` (the reference
+    conversion) are model-parallel replicas of the norms, ordered by rank.
+
+    Raises:
+        CheckpointError: the path does not exist, holds no shards, or its index is invalid.
+    """
+    path = os.fspath(path)
+    weight_map = None
+    if os.path.isdir(path):
+        root = os.path.abspath(path)
+        names = sorted(os.listdir(path))
+        indexes = [n for n in names if n.endswith(".safetensors.index.json")]
+        if len(indexes) > 1 and "model.safetensors.index.json" in indexes:
+            indexes = ["model.safetensors.index.json"]
+        if len(indexes) > 1:
+            raise CheckpointError(f"{path}: several index files ({', '.join(indexes)}); name one of them")
+        if indexes:
+            weight_map = _read_index(os.path.join(path, indexes[0]))
+            files, layout = sorted(set(weight_map.values())), "index"
+        else:
+            files = [os.path.join(path, n) for n in names if n.endswith(".safetensors") and os.path.isfile(os.path.join(path, n))]
+            layout = "directory"
+            if not files:
+                raise CheckpointError(f"{path}: directory holds no .safetensors files")
+    elif os.path.isfile(path):
+        root = os.path.dirname(os.path.abspath(path))
+        if path.endswith(".json"):
+            weight_map = _read_index(path)
+            files, layout = sorted(set(weight_map.values())), "index"
+        else:
+            files, layout = [path], "file"
+    else:
+        raise CheckpointError(f"{path}: no such file or directory")
+    result = CheckpointFiles(path, root, files, layout, weight_map)
+    mp = [MP_SHARD.match(os.path.basename(f)) for f in files]
+    if files and all(mp):
+        sizes = {int(m.group(2)) for m in mp}
+        ranks = sorted(int(m.group(1)) for m in mp)
+        if len(sizes) != 1:
+            raise CheckpointError(f"{path}: model-parallel shards disagree on the world size: mp{sorted(sizes)}")
+        (n,) = sizes
+        result.layout, result.mp_size = "model-parallel", n
+        result.files = [f for _, f in sorted(zip((int(m.group(1)) for m in mp), files))]
+        for r in sorted(set(range(n)) - set(ranks)):
+            result.problems.append({"kind": "missing_shard", "tensor": None, "site": None,
+                                    "detail": f"model-parallel shard model{r}-mp{n}.safetensors is missing"})
+        for r in sorted(set(ranks) - set(range(n))):
+            result.problems.append({"kind": "extra_shard", "tensor": None, "site": None,
+                                    "detail": f"shard model{r}-mp{n}.safetensors has a rank outside 0..{n - 1}"})
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------
+# Norm tensor names in either naming
+
+_HF_LAYER = re.compile(
+    r"^model\.layers\.(\d+)\.(" + "|".join(re.escape(s) for s in (*HF_SUFFIX.values(), "enorm", "hnorm", "shared_head.norm"))
+    + r")\.(weight|bias)$"
+)
+_REF_LAYER = re.compile(r"^layers\.(\d+)\.(" + "|".join(re.escape(s) for s in REF_SUFFIX.values()) + r")\.(weight|bias)$")
+_HF_BASE = {v: k for k, v in HF_SUFFIX.items()} | {"enorm": "enorm", "hnorm": "hnorm", "shared_head.norm": "shared_head.norm"}
+_REF_BASE = {v: k for k, v in REF_SUFFIX.items()}
+
+
+def classify(name: str) -> Optional[tuple]:
+    """``(naming, base_key, layer, param)`` for a known norm tensor name, else ``None``.
+
+    ``naming`` is ``"huggingface"`` or ``"reference"``; ``base_key`` is ``attn_norm``, ``ffn_norm``,
+    ``q_norm``, ``kv_norm``, ``k_norm``, ``enorm``, ``hnorm``, ``shared_head.norm`` or ``norm``;
+    ``layer`` is ``None`` for the final norm.
+    """
+    if name in ("model.norm.weight", "model.norm.bias"):
+        return ("huggingface", "norm", None, name.rsplit(".", 1)[1])
+    if name in ("norm.weight", "norm.bias"):
+        return ("reference", "norm", None, name.rsplit(".", 1)[1])
+    m = _HF_LAYER.match(name)
+    if m:
+        return ("huggingface", _HF_BASE[m.group(2)], int(m.group(1)), m.group(3))
+    m = _REF_LAYER.match(name)
+    if m:
+        return ("reference", _REF_BASE[m.group(2)], int(m.group(1)), m.group(3))
+    return None
+
+
+def is_norm_like(name: str) -> bool:
+    """Whether a tensor name looks like a normalisation parameter (a module name containing ``norm``)."""
+    return any("norm" in part.lower() for part in name.split(".")[:-1])
+
+
+def site_key(base_key: str, layer: Optional[int], cfg: ModelConfig) -> str:
+    """The catalogue key (:mod:`dsnorm.sites`) of a norm at ``layer``: MTP layers get ``mtp.``."""
+    if layer is not None and (layer >= cfg.n_layers or base_key in ("enorm", "hnorm", "shared_head.norm")):
+        return "mtp." + base_key
+    return base_key
+
+
+def _expected(cfg: ModelConfig, naming: str) -> dict:
+    """Expected norm tensor name -> (site, param, shape) for a checkpoint in ``naming``."""
+    out = {}
+    for s in enumerate_sites(cfg, mtp=naming == "huggingface"):
+        path = s.hf_path if naming == "huggingface" else s.ref_path
+        for t in s.tensors:
+            out[f"{path}.{t}"] = (s, t, (s.width,))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Counting
+
+
+@dataclass
+class CountReport:
+    """What :func:`count_norms` found: per-site rows, mismatches, and whether the checkpoint matches."""
+
+    path: str
+    layout: str
+    files: list
+    mp_size: Optional[int]
+    naming: str
+    config: ModelConfig
+    config_source: str
+    sites: list
+    mismatches: list
+    totals: dict
+    notes: list
+
+    @property
+    def ok(self) -> bool:
+        return not self.mismatches
+
+    def to_dict(self) -> dict:
+        return {
+            "path": self.path, "ok": self.ok, "layout": self.layout, "files": self.files,
+            "model_parallel": self.mp_size, "naming": self.naming, "config_source": self.config_source,
+            "config": self.config.to_dict(), "sites": self.sites, "totals": self.totals,
+            "mismatches": self.mismatches, "notes": self.notes,
+        }
+
+
+def _config_for(files: CheckpointFiles, config: Union[None, str, os.PathLike, ModelConfig]) -> tuple:
+    beside = os.path.join(files.root, "config.json")
+    notes = []
+    if os.path.isfile(beside):
+        if config is not None:
+            notes.append(f"config.json beside the checkpoint takes precedence over {getattr(config, 'source', config)}")
+        return load_config(beside), beside, notes
+    if isinstance(config, ModelConfig):
+        return config, config.source, notes
+    if config is not None:
+        cfg = load_config(config)
+        return cfg, cfg.source, notes
+    cfg = load_config(None)
+    return cfg, cfg.source, notes
+
+
+def count_norms(path: Union[str, os.PathLike], config: Union[None, str, os.PathLike, ModelConfig] = None) -> CountReport:
+    """Count every norm tensor of a checkpoint from its headers and compare with a config's expectation.
+
+    Args:
+        path: a ``.safetensors`` file, a directory of shards, or a ``*.safetensors.index.json``.
+        config: the expectation when no ``config.json`` sits beside the checkpoint: a config file
+            path or :class:`~dsnorm.sites.ModelConfig`; ``None`` uses the built-in 671B config.
+
+    Returns:
+        :class:`CountReport`; ``report.ok`` is True only when every expected norm tensor is present
+        once, with shape ``[width]`` and a float dtype, and no other norm tensor is present. A
+        model-parallel checkpoint (``model{i}-mp{N}.safetensors``, reference naming) must hold each
+        norm in every shard and counts it once; only the Hugging Face naming expects MTP layers.
+
+    Raises:
+        CheckpointError: an unreadable or malformed file (see :func:`read_header`).
+        ValueError: an invalid config.
+    """
+    files = resolve_checkpoint(path)
+    cfg, cfg_source, notes = _config_for(files, config)
+    headers = [read_header(f) for f in files.files]
+    mismatches = list(files.problems)
+
+    # Every norm-like tensor, with each file that holds it.
+    occurrences: dict = {}
+    for h in headers:
+        for name, info in h.tensors.items():
+            if classify(name) is not None or is_norm_like(name):
+                occurrences.setdefault(name, []).append(info)
+
+    votes = {"huggingface": 0, "reference": 0}
+    for name in occurrences:
+        c = classify(name)
+        if c is not None:
+            votes[c[0]] += 1
+    if votes["reference"] > votes["huggingface"] or (files.layout == "model-parallel" and not votes["huggingface"]):
+        naming = "reference"
+    else:
+        naming = "huggingface"
+    if votes["reference"] and votes["huggingface"]:
+        mismatches.append({"kind": "mixed_naming", "tensor": None, "site": None,
+                           "detail": f"{votes['huggingface']} norm tensors use Hugging Face names and "
+                                     f"{votes['reference']} reference names; counted as {naming}"})
+
+    if naming == "huggingface" and not cfg.mtp_stated:
+        # A reference-format config does not say how many MTP layers the HF checkpoint has: take the
+        # layers present after the main model (each then checked complete), none required.
+        mtp_layers = {c[2] for c in map(classify, occurrences) if c and c[0] == naming and c[2] is not None
+                      and c[2] >= cfg.n_layers}
+        n_mtp = 0
+        while cfg.n_layers + n_mtp in mtp_layers:
+            n_mtp += 1
+        cfg = replace(cfg, n_mtp_layers=n_mtp)
+        notes.append(f"the config does not state the MTP layer count; {n_mtp} MTP layer(s) found and checked")
+    expected = _expected(cfg, naming)
+
+    # One instance per name: replicas (model-parallel) must agree and be in every shard.
+    found: dict = {}
+    for name, infos in occurrences.items():
+        info = infos[0]
+        if files.layout == "model-parallel":
+            holders = {i.file for i in infos}
+            lacking = [f for f in files.files if f not in holders]
+            if lacking and name in expected:
+                mismatches.append({"kind": "missing_replica", "tensor": name, "site": expected[name][0].key,
+                                   "detail": "absent from model-parallel shard(s) " + ", ".join(os.path.basename(f) for f in lacking)})
+            if len({(i.dtype, i.shape) for i in infos}) > 1:
+                mismatches.append({"kind": "replica_mismatch", "tensor": name, "site": expected[name][0].key if name in expected else None,
+                                   "detail": "replicas differ: " + "; ".join(f"{os.path.basename(i.file)}: {i.dtype} {list(i.shape)}" for i in infos)})
+        elif len(infos) > 1:
+            mismatches.append({"kind": "duplicate", "tensor": name, "site": expected[name][0].key if name in expected else None,
+                               "detail": "stored in several shards: " + ", ".join(os.path.basename(i.file) for i in infos)})
+        found[name] = info
+
+    if files.weight_map is not None:
+        for name, info in found.items():
+            listed = files.weight_map.get(name)
+            if listed is None:
+                mismatches.append({"kind": "index_mismatch", "tensor": name, "site": None,
+                                   "detail": f"in {os.path.basename(info.file)} but not in the index"})
+            elif all(os.path.abspath(i.file) != os.path.abspath(listed) for i in occurrences[name]):
+                mismatches.append({"kind": "index_mismatch", "tensor": name, "site": None,
+                                   "detail": f"index says {os.path.basename(listed)}, found in {os.path.basename(info.file)}"})
+        for name, listed in files.weight_map.items():
+            if (classify(name) is not None or is_norm_like(name)) and name not in found:
+                mismatches.append({"kind": "index_mismatch", "tensor": name, "site": None,
+                                   "detail": f"listed in the index under {os.path.basename(listed)} but not in that shard"})
+
+    rows: dict = {}
+    for s in enumerate_sites(cfg, mtp=naming == "huggingface"):
+        r = rows.setdefault(s.key, {"site": s.key, "group": s.group, "norm_type": s.norm_type,
+                                    "expected_instances": 0, "found_instances": 0, "expected_shape": [s.width],
+                                    "shapes": set(), "dtypes": set(), "params": 0, "expected_params": 0,
+                                    "mismatches": 0})
+        r["expected_instances"] += 1
+        r["expected_params"] += s.params
+        present = True
+        for t in s.tensors:
+            name = f"{s.hf_path if naming == 'huggingface' else s.ref_path}.{t}"
+            info = found.get(name)
+            if info is None:
+                present = False
+                mismatches.append({"kind": "missing", "tensor": name, "site": s.key,
+                                   "detail": f"expected {s.norm_type} {t} of shape [{s.width}]"})
+                continue
+            r["shapes"].add(str(list(info.shape)))
+            r["dtypes"].add(info.dtype)
+            r["params"] += info.numel
+            if info.shape != (s.width,):
+                present = False
+                mismatches.append({"kind": "shape", "tensor": name, "site": s.key,
+                                   "detail": f"shape {list(info.shape)}, expected [{s.width}] ({os.path.basename(info.file)})"})
+            elif info.dtype not in FLOAT_DTYPES:
+                present = False
+                mismatches.append({"kind": "dtype", "tensor": name, "site": s.key,
+                                   "detail": f"dtype {info.dtype} is not a float type ({os.path.basename(info.file)})"})
+        r["found_instances"] += present
+
+    for name in sorted(set(found) - set(expected)):
+        info = found[name]
+        c = classify(name)
+        key = site_key(c[1], c[2], cfg) if c else "unrecognised"
+        why = "not expected by the config" if c else "norm-like tensor of no known site"
+        if c and c[0] != naming:
+            why = f"{c[0]} name in a {naming}-named checkpoint"
+        elif c and naming == "reference" and c[2] is not None and c[2] >= cfg.n_layers:
+            why = "layer beyond the config's n_layers (a reference checkpoint has no MTP layer)"
+        elif c and c[2] is not None and c[2] >= cfg.n_layers + cfg.n_mtp_layers:
+            why = f"layer {c[2]} beyond the config's {cfg.n_layers} layers + {cfg.n_mtp_layers} MTP"
+        mismatches.append({"kind": "extra", "tensor": name, "site": key,
+                           "detail": f"{why}: {info.dtype} {list(info.shape)} ({os.path.basename(info.file)})"})
+        row = rows.get(key)
+        if row is not None:
+            row["params"] += info.numel
+
+    for m in mismatches:
+        if m.get("site") in rows:
+            rows[m["site"]]["mismatches"] += 1
+    site_rows = []
+    for r in rows.values():
+        r["shapes"], r["dtypes"] = sorted(r["shapes"]), sorted(r["dtypes"])
+        site_rows.append(r)
+    main_rms = [r for r in site_rows if r["group"] == "main" and r["norm_type"] == "rmsnorm"]
+    mtp = [r for r in site_rows if r["group"] == "mtp"]
+    totals = {
+        "rmsnorm_instances_found": sum(r["found_instances"] for r in main_rms),
+        "rmsnorm_instances_expected": sum(r["expected_instances"] for r in main_rms),
+        "rmsnorm_params_found": sum(r["params"] for r in main_rms),
+        "rmsnorm_params_expected": sum(r["expected_params"] for r in main_rms),
+        "mtp_instances_found": sum(r["found_instances"] for r in mtp),
+        "mtp_instances_expected": sum(r["expected_instances"] for r in mtp),
+        "norm_tensors_read": sum(len(v) for v in occurrences.values()),
+        "norm_tensors_distinct": len(occurrences),
+    }
+    return CountReport(
+        path=files.path, layout=files.layout, files=list(files.files), mp_size=files.mp_size, naming=naming,
+        config=cfg, config_source=cfg_source, sites=site_rows, mismatches=mismatches, totals=totals, notes=notes,
+    )
+
+
+def render_report(rep: CountReport, max_lines: int = 60) -> str:
+    """A plain-text rendering of a :class:`CountReport`, listing at most ``max_lines`` mismatches."""
+    layout = rep.layout + (f" (mp{rep.mp_size}: each norm replicated in every shard, counted once)" if rep.mp_size else "")
+    out = [
+        f"checkpoint: {rep.path}",
+        f"layout: {layout}; {len(rep.files)} file(s); naming: {rep.naming}",
+        f"expectation: {rep.config_source} ({rep.config.format} names)",
+    ]
+    out += [f"note: {n}" for n in rep.notes]
+    out.append("")
+    headers = ["site", "found/expected", "shape", "dtype", "params", "mismatches"]
+    rows = [[r["site"] + (" (LayerNorm)" if r["norm_type"] == "layernorm" else ""),
+             f"{r['found_instances']}/{r['expected_instances']}", ", ".join(r["shapes"]) or "-",
+             ", ".join(r["dtypes"]) or "-", f"{r['params']:,}", r["mismatches"] or ""] for r in rep.sites]
+    widths = [max(len(str(h)), *(len(str(x[i])) for x in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+    out += [line(headers), line("-" * w for w in widths)] + [line(r) for r in rows]
+    t = rep.totals
+    out += ["", f"main-model RMSNorm: {t['rmsnorm_instances_found']}/{t['rmsnorm_instances_expected']} instances, "
+                f"{t['rmsnorm_params_found']:,} parameters found (expected {t['rmsnorm_params_expected']:,})"]
+    if t["mtp_instances_expected"]:
+        out.append(f"MTP norms: {t['mtp_instances_found']}/{t['mtp_instances_expected']} instances")
+    if rep.mismatches:
+        by_kind: dict = {}
+        for m in rep.mismatches:
+            by_kind[m["kind"]] = by_kind.get(m["kind"], 0) + 1
+        out += ["", f"{len(rep.mismatches)} mismatch(es) (" + ", ".join(f"{n} {k}" for k, n in by_kind.items()) + "):"]
+        for m in rep.mismatches[:max_lines]:
+            out.append(f"  {m['kind']}: {m['tensor'] or ''}{' - ' if m['tensor'] else ''}{m['detail']}")
+        if len(rep.mismatches) > max_lines:
+            out.append(f"  ... and {len(rep.mismatches) - max_lines} more (all of them with --json)")
+        out.append("")
+        out.append("MISMATCH: the checkpoint does not match the config")
+    else:
+        out += ["", "OK: the checkpoint's norm tensors match the config"]
+    return "\n".join(out) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Loading into a model
+
+
+@dataclass
+class LoadReport:
+    """What :func:`load_norms` copied: ``loaded`` rows (module, tensor, file, dtype, shape) and the
+    checkpoint's norm tensors no module took (``unused``)."""
+
+    path: str
+    naming: str
+    loaded: list
+    unused: list
+
+    def __str__(self) -> str:
+        lines = [f"loaded {len(self.loaded)} norm gain(s) from {self.path} ({self.naming} names)"]
+        lines += [f"  {r['module']} <- {r['tensor']} ({r['dtype']} {r['shape']}, {os.path.basename(r['file'])})" for r in self.loaded]
+        if self.unused:
+            lines.append(f"{len(self.unused)} norm tensor(s) of the checkpoint not used: " + ", ".join(self.unused))
+        return "\n".join(lines)
+
+
+_MODULE_LAYER = re.compile(
+    r"(?:^|\.)layers\.(\d+)\.(" + "|".join(re.escape(s) for s in sorted(
+        {*HF_SUFFIX.values(), *REF_SUFFIX.values(), "enorm", "hnorm", "shared_head.norm"}, key=len, reverse=True)) + r")$"
+)
+
+
+def module_site(name: str) -> Optional[tuple]:
+    """``(base_key, layer)`` of a module path in either naming (any prefix), else ``None``."""
+    m = _MODULE_LAYER.search(name)
+    if m:
+        suffix = m.group(2)
+        return (_HF_BASE.get(suffix) or _REF_BASE[suffix], int(m.group(1)))
+    if name == "norm" or name.endswith(".norm") and "layers." not in name:
+        return ("norm", None)
+    return None
+
+
+def tensor_name(base_key: str, layer: Optional[int], naming: str, param: str = "weight") -> Optional[str]:
+    """The checkpoint name of a norm parameter in ``naming``; ``None`` where that naming has none."""
+    if base_key == "norm" and layer is None:
+        return ("model.norm." if naming == "huggingface" else "norm.") + param
+    if naming == "huggingface":
+        suffix = HF_SUFFIX.get(base_key, base_key if base_key in ("enorm", "hnorm", "shared_head.norm") else None)
+        return None if suffix is None else f"model.layers.{layer}.{suffix}.{param}"
+    suffix = REF_SUFFIX.get(base_key)
+    return None if suffix is None else f"layers.{layer}.{suffix}.{param}"
+
+
+def _read_tensor(info: TensorInfo):
+    import torch
+
+    dtypes = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+    try:
+        with open(info.file, "rb") as f:
+            f.seek(info.begin)
+            raw = f.read(info.end - info.begin)
+    except OSError as e:
+        raise CheckpointError(f"{info.file}: cannot read tensor {info.name!r}: {e.strerror or e}") from None
+    if len(raw) != info.end - info.begin:
+        raise CheckpointError(f"{info.file}: tensor {info.name!r} is truncated ({len(raw)} of {info.end - info.begin} bytes)")
+    t = torch.frombuffer(bytearray(raw), dtype=dtypes[info.dtype]) if raw else torch.empty(0, dtype=dtypes[info.dtype])
+    if sys.byteorder != "little":
+        t = t.view(torch.uint8).view(-1, t.element_size()).flip(-1).reshape(-1).view(dtypes[info.dtype])
+    # Widening bf16/fp16 to fp32 is exact.
+    return t.reshape(info.shape).to(torch.float32)
+
+
+def load_norms(model, path: Union[str, os.PathLike]) -> LoadReport:
+    """Copy every norm gain of a safetensors checkpoint into the ``dsnorm.RMSNorm`` modules of ``model``.
+
+    Each ``dsnorm.RMSNorm`` module is matched to its checkpoint tensor by its path, in the reference
+    naming (``layers.{i}.attn.q_norm``) or the Hugging Face naming
+    (``model.layers.{i}.self_attn.q_a_layernorm``), whichever the checkpoint uses; the stored BF16/F16/F32
+    values become exact float32 parameters (``weight[d]``, float32 in dsnorm). Only the norm tensors'
+    bytes are read. All modules are checked and all values read before any parameter changes: on
+    error nothing is modified.
+
+    Args:
+        model: an ``nn.Module`` holding ``dsnorm.RMSNorm`` modules (e.g. after :func:`dsnorm.patch`).
+        path: a ``.safetensors`` file, a shard directory or an index JSON.
+
+    Returns:
+        :class:`LoadReport` of what was loaded and which checkpoint norm tensors were not used.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
+        ValueError: the model has no dsnorm norms, or tensors are missing, mis-shaped, of an
+            unsupported dtype or not representable in the parameter's dtype (all listed).
+        CheckpointError: a malformed checkpoint file.
+    """
+    import torch
+    from torch import nn
+
+    from dsnorm import RMSNorm
+
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    targets = [(n, m) for n, m in model.named_modules(remove_duplicate=True) if isinstance(m, RMSNorm)]
+    if not targets:
+        raise ValueError("model has no dsnorm.RMSNorm modules to load into (patch it first with dsnorm.patch)")
+    files = resolve_checkpoint(path)
+    headers = [read_header(f) for f in files.files]
+    tensors: dict = {}
+    for h in headers:
+        for name, info in h.tensors.items():
+            # Model-parallel replicas: rank 0's copy (files are ordered by rank).
+            tensors.setdefault(name, info)
+    votes = {"huggingface": 0, "reference": 0}
+    for name in tensors:
+        c = classify(name)
+        if c is not None:
+            votes[c[0]] += 1
+    naming = "reference" if votes["reference"] > votes["huggingface"] else "huggingface"
+
+    problems, plan = [], []
+    for mname, mod in targets:
+        cands = [f"{mname}.weight"]
+        site = module_site(mname)
+        if site is not None:
+            t = tensor_name(site[0], site[1], naming)
+            if t is not None:
+                cands.append(t)
+        info = next((tensors[c] for c in cands if c in tensors), None)
+        if info is None:
+            problems.append(f"{mname}: missing (looked for {' or '.join(dict.fromkeys(cands))})")
+            continue
+        want = tuple(mod.weight.shape)
+        if info.shape != want:
+            problems.append(f"{mname}: {info.name} has shape {list(info.shape)}, the module needs {list(want)}")
+            continue
+        if info.dtype not in LOADABLE_DTYPES:
+            problems.append(f"{mname}: {info.name} is {info.dtype}; only {', '.join(LOADABLE_DTYPES)} convert exactly")
+            continue
+        plan.append((mname, mod, info))
+    if problems:
+        raise ValueError(f"load_norms({files.path}): nothing loaded; {len(problems)} problem(s):\n  " + "\n  ".join(problems))
+
+    values = []
+    for mname, mod, info in plan:
+        v = _read_tensor(info)
+        p = mod.weight
+        cast = v.to(dtype=p.dtype, device=p.device)
+        if p.dtype != torch.float32:
+            # A parameter cast down (model.to(bfloat16)) must still hold the stored value exactly.
+            back = cast.to(device="cpu", dtype=torch.float32)
+            if not bool(((back == v) | (back.isnan() & v.isnan())).all()):
+                problems.append(f"{mname}: {info.name} is not exactly representable in the parameter's {p.dtype}")
+        values.append(cast)
+    if problems:
+        raise ValueError(f"load_norms({files.path}): nothing loaded; {len(problems)} problem(s):\n  " + "\n  ".join(problems))
+    with torch.no_grad():
+        for (_, mod, _), v in zip(plan, values):
+            mod.weight.copy_(v)
+    used = {info.name for _, _, info in plan}
+    unused = sorted(n for n in tensors if n not in used and (classify(n) is not None or is_norm_like(n)))
+    loaded = [{"module": m, "tensor": i.name, "file": i.file, "dtype": i.dtype, "shape": list(i.shape)} for m, _, i in plan]
+    return LoadReport(files.path, naming, loaded, unused)
+
+
+# ---------------------------------------------------------------------------------------------------
+# CLI: dsnorm count
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``dsnorm count``."""
+    parser.add_argument("path", metavar="PATH",
+                        help="a .safetensors file, a directory of shards, or a model.safetensors.index.json")
+    parser.add_argument("--config", metavar="FILE",
+                        help="expected model config when no config.json sits beside the checkpoint "
+                             "(default: built-in 671B V3.2-Exp)")
+    parser.add_argument("--json", metavar="FILE", help="write the report as JSON ('-': stdout instead of the text)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``dsnorm count``: 0 when the checkpoint matches, 1 on mismatches, 2 on unreadable input."""
+    try:
+        rep = count_norms(args.path, args.config)
+    except (ValueError, TypeError) as e:
+        print(f"dsnorm count: error: {e}", file=sys.stderr)
+        return 2
+    if args.json == "-":
+        json.dump(rep.to_dict(), sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        sys.stdout.write(render_report(rep))
+        if args.json:
+            try:
+                with open(args.json, "w", encoding="utf-8") as f:
+                    json.dump(rep.to_dict(), f, indent=1)
+                    f.write("\n")
+            except OSError as e:
+                print(f"dsnorm count: error: cannot write {args.json}: {e.strerror or e}", file=sys.stderr)
+                return 2
+    return 0 if rep.ok else 1

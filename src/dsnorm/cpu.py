@@ -1,0 +1,821 @@
+"""CPU kernels (numba) and their launchers: forward (plain / fused / in place) and backward.
+
+Why the kernels look the way they do:
+
+* Bitwise equality with the reference needs the mean's fp32 sum in *torch's* order. ATen's CPU sum
+  (``aten/src/ATen/native/cpu/SumKernel.cpp``, ``cascade_sum``) reduces a contiguous row of ``n``
+  floats like this, for a vector width of ``L`` lanes (``Vectorized<float>``: 8 lanes on x86, also
+  where torch reports AVX512, because the reduction kernels are built for AVX2 only there; 4 lanes
+  for doubles):
+
+  1. the row is cut into ``n // L`` whole vectors; those are read as groups of 4 consecutive
+     vectors (4 independent accumulators, ``ilp``), ``(n // L) // 4`` groups in all;
+  2. groups are added into a level-0 accumulator; after every ``2**p`` groups (``p = max(4,
+     ceil_log2(groups) // 4)``, so 16 for any realistic row) level 0 is added into level 1 and
+     cleared, and when the group count is also a multiple of ``2**(2p)`` level 1 goes into level 2,
+     and likewise into level 3: a 4-level cascade;
+  3. leftover groups go into level 0, then levels 1, 2 and 3 are added into level 0 in that order;
+  4. the 0–3 whole vectors that did not fill a group are added into accumulator 0, then
+     accumulators 1, 2, 3 are added into accumulator 0;
+  5. a scalar running sum starts at 0, takes the ``n % L`` tail elements in order, and then the
+     ``L`` lanes of accumulator 0 in lane order.
+
+  Rows shorter than one vector take the scalar path, which is steps 1–4 with one lane and no step 5.
+  The squares are rounded to fp32 before they are added (the reference materialises ``x.pow(2)``),
+  so no multiply-add may be contracted into an FMA (numba never contracts without fastmath).
+  Then ``mean = sum / n`` (true division), ``rstd = 1 / sqrt(mean + eps)`` (torch's CPU rsqrt),
+  ``xhat = s * rstd`` and only then ``weight * xhat``.
+* One pass over memory: each row is widened once into a per-thread fp32 scratch row (it stays in
+  L1/L2), which the sum and the output stage then read; inputs are read once, outputs written once.
+* Tensors arrive as raw addresses (``data_ptr()``) and element strides: building numpy views costs
+  microseconds per tensor, which matters at decode sizes. bf16 is handled as uint16 bits (numba has
+  no bfloat16) and fp16 through LLVM's ``half`` (F16C).
+* Small inputs run a serial kernel: starting the thread pool costs ~10 µs, more than the work.
+* dweight is reduced over fixed row blocks whose size depends only on the shape, then the blocks
+  are added in block order: the same bits for any thread count.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import numba
+import numpy as np
+import torch
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
+
+# Threads: the omp layer is safe to enter from several Python threads at once (numba's default
+# workqueue layer is not); respect a layer the user chose explicitly.
+if "NUMBA_THREADING_LAYER" not in os.environ:
+    numba.config.THREADING_LAYER = "threadsafe"
+
+F32, BF16, F16, F64 = 0, 1, 2, 3
+DTYPE_CODES = {torch.float32: F32, torch.bfloat16: BF16, torch.float16: F16, torch.float64: F64}
+
+# Below this many elements a call runs on the calling thread: waking the pool costs more.
+SERIAL_NUMEL = 1 << 16
+# Vector lanes torch's CPU sum uses for fp32 (doubles: half as many).
+SUM_LANES = 8
+# Scratch slots per thread beyond the row itself: 4 cascade levels x 4 accumulators x lanes.
+ACC_SLOTS = 4 * 4 * SUM_LANES
+_CACHE = True
+
+
+# ---------------------------------------------------------------------------------------------
+# Intrinsics: addresses to typed pointers, and bit reinterpretation.
+
+
+def _pointer_intrinsic(elem_type, llvm_type):
+    @intrinsic
+    def as_pointer(typingctx, addr):
+        sig = types.CPointer(elem_type)(types.int64)
+
+        def codegen(context, builder, signature, args):
+            return builder.inttoptr(args[0], llvm_type.as_pointer())
+
+        return sig, codegen
+
+    return as_pointer
+
+
+_ptr_f32 = _pointer_intrinsic(types.float32, ir.FloatType())
+_ptr_f64 = _pointer_intrinsic(types.float64, ir.DoubleType())
+_ptr_u16 = _pointer_intrinsic(types.uint16, ir.IntType(16))
+
+
+@intrinsic
+def _u32_as_f32(typingctx, value):
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return types.float32(types.uint32), codegen
+
+
+@intrinsic
+def _f32_as_u32(typingctx, value):
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return types.uint32(types.float32), codegen
+
+
+@intrinsic
+def _f16_bits_to_f32(typingctx, bits):
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    return types.float32(types.uint16), codegen
+
+
+@intrinsic
+def _f32_to_f16_bits(typingctx, value):
+    # fptrunc rounds to nearest even, like torch's conversion.
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+
+    return types.uint16(types.float32), codegen
+
+
+@njit(inline="always")
+def _bf16_to_f32(bits):
+    return _u32_as_f32(numba.uint32(bits) << numba.uint32(16))
+
+
+@njit(inline="always")
+def _f32_to_bf16(value):
+    # Round to nearest even on the bits; a NaN becomes the quiet NaN 0x7FC0, as in torch.
+    u = _f32_as_u32(value)
+    rounded = (u + numba.uint32(0x7FFF) + ((u >> numba.uint32(16)) & numba.uint32(1))) >> numba.uint32(16)
+    return numba.uint16(0x7FC0) if value != value else numba.uint16(rounded)
+
+
+@njit(inline="always")
+def _round_to(value, code):
+    """``value`` rounded to the dtype ``code`` and widened back (a torch ``.to(dtype).float()``)."""
+    if code == BF16:
+        return _bf16_to_f32(_f32_to_bf16(numba.float32(value)))
+    if code == F16:
+        return _f16_bits_to_f32(_f32_to_f16_bits(numba.float32(value)))
+    if code == F32:
+        return numba.float32(value)
+    return value
+
+
+# ---------------------------------------------------------------------------------------------
+# Row stages. ``buf`` is the compute-dtype scratch row; each stage branches on the dtype code
+# outside its loop so every loop is a plain, vectorisable one.
+
+
+@njit(inline="always")
+def _load_row(addr, offset, code, buf, n, accumulate):
+    """buf[:n] (+)= row widened to the compute dtype."""
+    if code == BF16:
+        p16 = _ptr_u16(addr)
+        if accumulate:
+            for j in range(n):
+                buf[j] += _bf16_to_f32(p16[offset + j])
+        else:
+            for j in range(n):
+                buf[j] = _bf16_to_f32(p16[offset + j])
+    elif code == F16:
+        p16 = _ptr_u16(addr)
+        if accumulate:
+            for j in range(n):
+                buf[j] += _f16_bits_to_f32(p16[offset + j])
+        else:
+            for j in range(n):
+                buf[j] = _f16_bits_to_f32(p16[offset + j])
+    elif code == F32:
+        p32 = _ptr_f32(addr)
+        if accumulate:
+            for j in range(n):
+                buf[j] += p32[offset + j]
+        else:
+            for j in range(n):
+                buf[j] = p32[offset + j]
+    else:
+        p64 = _ptr_f64(addr)
+        if accumulate:
+            for j in range(n):
+                buf[j] += p64[offset + j]
+        else:
+            for j in range(n):
+                buf[j] = p64[offset + j]
+
+
+@njit(inline="always")
+def _store_row(addr, offset, code, buf, n):
+    """row = buf[:n] rounded to the dtype ``code``."""
+    if code == BF16:
+        p16 = _ptr_u16(addr)
+        for j in range(n):
+            p16[offset + j] = _f32_to_bf16(numba.float32(buf[j]))
+    elif code == F16:
+        p16 = _ptr_u16(addr)
+        for j in range(n):
+            p16[offset + j] = _f32_to_f16_bits(numba.float32(buf[j]))
+    elif code == F32:
+        p32 = _ptr_f32(addr)
+        for j in range(n):
+            p32[offset + j] = buf[j]
+    else:
+        p64 = _ptr_f64(addr)
+        for j in range(n):
+            p64[offset + j] = buf[j]
+
+
+@njit(inline="always")
+def _round_row(buf, n, code):
+    """buf[:n] = buf rounded to ``code`` and widened again (round_first)."""
+    if code == BF16:
+        for j in range(n):
+            buf[j] = _bf16_to_f32(_f32_to_bf16(numba.float32(buf[j])))
+    elif code == F16:
+        for j in range(n):
+            buf[j] = _f16_bits_to_f32(_f32_to_f16_bits(numba.float32(buf[j])))
+    elif code == F32:
+        for j in range(n):
+            buf[j] = numba.float32(buf[j])
+
+
+@njit(inline="always")
+def _load_add_store_row(x_addr, x_off, r_addr, r_off, o_addr, o_off, code, buf, n, round_first):
+    """The common fused case in one loop, all three rows of one dtype: buf = x + r (rounded to
+    ``code`` first for round_first), residual_out = buf rounded to ``code``."""
+    if code == BF16:
+        px = _ptr_u16(x_addr)
+        pr = _ptr_u16(r_addr)
+        po = _ptr_u16(o_addr)
+        for j in range(n):
+            v = _bf16_to_f32(px[x_off + j]) + _bf16_to_f32(pr[r_off + j])
+            bits = _f32_to_bf16(v)
+            po[o_off + j] = bits
+            buf[j] = _bf16_to_f32(bits) if round_first else v
+    elif code == F16:
+        hx = _ptr_u16(x_addr)
+        hr = _ptr_u16(r_addr)
+        ho = _ptr_u16(o_addr)
+        for j in range(n):
+            v = _f16_bits_to_f32(hx[x_off + j]) + _f16_bits_to_f32(hr[r_off + j])
+            bits = _f32_to_f16_bits(v)
+            ho[o_off + j] = bits
+            buf[j] = _f16_bits_to_f32(bits) if round_first else v
+    elif code == F32:
+        fx = _ptr_f32(x_addr)
+        fr = _ptr_f32(r_addr)
+        fo = _ptr_f32(o_addr)
+        for j in range(n):
+            v = fx[x_off + j] + fr[r_off + j]
+            fo[o_off + j] = v
+            buf[j] = v
+    else:
+        dx = _ptr_f64(x_addr)
+        dr = _ptr_f64(r_addr)
+        do = _ptr_f64(o_addr)
+        for j in range(n):
+            v = dx[x_off + j] + dr[r_off + j]
+            do[o_off + j] = v
+            buf[j] = v
+
+
+@njit(inline="always")
+def _store_scaled_row(addr, offset, code, buf, w_addr, rstd, n, cast_hf):
+    """row = (w * (buf * rstd)) rounded once to ``code``; Hugging Face order with ``cast_hf``."""
+    if code == BF16:
+        wb = _ptr_f32(w_addr)
+        pb = _ptr_u16(addr)
+        if cast_hf:
+            for j in range(n):
+                pb[offset + j] = _f32_to_bf16(_round_to(wb[j], BF16) * _round_to(buf[j] * rstd, BF16))
+        else:
+            for j in range(n):
+                pb[offset + j] = _f32_to_bf16(wb[j] * (buf[j] * rstd))
+    elif code == F16:
+        wh = _ptr_f32(w_addr)
+        ph = _ptr_u16(addr)
+        if cast_hf:
+            for j in range(n):
+                ph[offset + j] = _f32_to_f16_bits(_round_to(wh[j], F16) * _round_to(buf[j] * rstd, F16))
+        else:
+            for j in range(n):
+                ph[offset + j] = _f32_to_f16_bits(wh[j] * (buf[j] * rstd))
+    elif code == F32:
+        wf = _ptr_f32(w_addr)
+        pf = _ptr_f32(addr)
+        for j in range(n):
+            pf[offset + j] = wf[j] * (buf[j] * rstd)
+    else:
+        wd = _ptr_f64(w_addr)
+        pd = _ptr_f64(addr)
+        for j in range(n):
+            pd[offset + j] = wd[j] * (buf[j] * rstd)
+
+
+@njit(inline="always")
+def _ceil_log2(x):
+    if x <= 2:
+        return 1
+    bits = 0
+    v = x - 1
+    while v > 0:
+        v >>= 1
+        bits += 1
+    return bits
+
+
+@njit(inline="always")
+def _chain32(buf, offset, count, out):
+    """out[t] = sum over g < count of buf[offset + 32 g + t]^2 for t < 32: the four 8-lane vector
+    accumulators of one level-0 step, each lane a sequential chain starting from zero.
+
+    Thirty-two explicit scalars (not an array) so that LLVM's SLP vectoriser keeps them in four
+    independent vector registers; an in-memory accumulator array ran ~30x slower.
+    """
+    out[0] = 0.0
+    zero = out[0]  # a zero of the compute dtype (a Python 0.0 would be f64)
+    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = a8 = a9 = a10 = a11 = a12 = a13 = a14 = a15 = a16 = a17 = a18 = a19 = a20 = a21 = a22 = a23 = a24 = a25 = a26 = a27 = a28 = a29 = a30 = a31 = zero
+    for g in range(count):
+        b = offset + 32 * g
+        a0 += buf[b + 0] * buf[b + 0]
+        a1 += buf[b + 1] * buf[b + 1]
+        a2 += buf[b + 2] * buf[b + 2]
+        a3 += buf[b + 3] * buf[b + 3]
+        a4 += buf[b + 4] * buf[b + 4]
+        a5 += buf[b + 5] * buf[b + 5]
+        a6 += buf[b + 6] * buf[b + 6]
+        a7 += buf[b + 7] * buf[b + 7]
+        a8 += buf[b + 8] * buf[b + 8]
+        a9 += buf[b + 9] * buf[b + 9]
+        a10 += buf[b + 10] * buf[b + 10]
+        a11 += buf[b + 11] * buf[b + 11]
+        a12 += buf[b + 12] * buf[b + 12]
+        a13 += buf[b + 13] * buf[b + 13]
+        a14 += buf[b + 14] * buf[b + 14]
+        a15 += buf[b + 15] * buf[b + 15]
+        a16 += buf[b + 16] * buf[b + 16]
+        a17 += buf[b + 17] * buf[b + 17]
+        a18 += buf[b + 18] * buf[b + 18]
+        a19 += buf[b + 19] * buf[b + 19]
+        a20 += buf[b + 20] * buf[b + 20]
+        a21 += buf[b + 21] * buf[b + 21]
+        a22 += buf[b + 22] * buf[b + 22]
+        a23 += buf[b + 23] * buf[b + 23]
+        a24 += buf[b + 24] * buf[b + 24]
+        a25 += buf[b + 25] * buf[b + 25]
+        a26 += buf[b + 26] * buf[b + 26]
+        a27 += buf[b + 27] * buf[b + 27]
+        a28 += buf[b + 28] * buf[b + 28]
+        a29 += buf[b + 29] * buf[b + 29]
+        a30 += buf[b + 30] * buf[b + 30]
+        a31 += buf[b + 31] * buf[b + 31]
+    out[0] = a0
+    out[1] = a1
+    out[2] = a2
+    out[3] = a3
+    out[4] = a4
+    out[5] = a5
+    out[6] = a6
+    out[7] = a7
+    out[8] = a8
+    out[9] = a9
+    out[10] = a10
+    out[11] = a11
+    out[12] = a12
+    out[13] = a13
+    out[14] = a14
+    out[15] = a15
+    out[16] = a16
+    out[17] = a17
+    out[18] = a18
+    out[19] = a19
+    out[20] = a20
+    out[21] = a21
+    out[22] = a22
+    out[23] = a23
+    out[24] = a24
+    out[25] = a25
+    out[26] = a26
+    out[27] = a27
+    out[28] = a28
+    out[29] = a29
+    out[30] = a30
+    out[31] = a31
+
+
+@njit(inline="always")
+def _chain_lanes(buf, offset, count, lanes, out):
+    """The same chains for any lane count (fp64's 4, short rows' 1); the rare cases."""
+    for t in range(4 * lanes):
+        out[t] = 0.0
+    for g in range(count):
+        b = offset + 4 * lanes * g
+        for t in range(4 * lanes):
+            v = buf[b + t]
+            out[t] += v * v
+
+
+@njit(inline="always")
+def _level0(buf, group, count, lanes, out):
+    """out[0:4*lanes] = fresh level-0 accumulators after ``count`` groups from ``group`` on."""
+    if lanes == SUM_LANES:
+        _chain32(buf, group * 32, count, out)
+    else:
+        _chain_lanes(buf, group * 4 * lanes, count, lanes, out)
+
+
+@njit(inline="always")
+def _sum_squares_torch_order(buf, n, acc, lanes_max):
+    """sum(buf[:n]**2) in the order of ATen's CPU cascade sum (see the module docstring).
+
+    ``acc`` holds 4 levels x 4 accumulators x ``lanes_max`` lanes of the compute dtype. Level 0
+    restarts from zero after every level step, so each step's level-0 sums are computed as fresh
+    chains and then added into level 1.
+    """
+    lanes = 1 if n < lanes_max else lanes_max
+    nvec = n // lanes
+    groups = nvec // 4
+    width = 4 * lanes
+    level_power = max(4, _ceil_log2(groups) // 4)
+    level_step = 1 << level_power
+    level_mask = level_step - 1
+    for t in range(width, 4 * width):
+        acc[t] = 0.0
+    i = 0
+    while i + level_step <= groups:
+        _level0(buf, i, level_step, lanes, acc)
+        i += level_step
+        for level in range(1, 4):
+            lo = (level - 1) * width
+            hi = level * width
+            for t in range(width):
+                acc[hi + t] += acc[lo + t]
+                acc[lo + t] = 0.0
+            if (i & (level_mask << (level * level_power))) != 0:
+                break
+    _level0(buf, i, groups - i, lanes, acc)
+    for level in range(1, 4):
+        hi = level * width
+        for t in range(width):
+            acc[t] += acc[hi + t]
+    for q in range(groups * 4, nvec):
+        base = q * lanes
+        for lane in range(lanes):
+            v = buf[base + lane]
+            acc[lane] += v * v
+    for k in range(1, 4):
+        for lane in range(lanes):
+            acc[lane] += acc[k * lanes + lane]
+    if lanes == 1:
+        return acc[0]
+    acc[4 * width - 1] = 0.0
+    total = acc[4 * width - 1]  # a zero of the compute dtype; that slot is free by now
+    for q in range(nvec * lanes, n):
+        v = buf[q]
+        total += v * v
+    for lane in range(lanes):
+        total += acc[lane]
+    return total
+
+
+# Not inlined: numba's parfor pass analyses what it inlines into a prange body and dropped the
+# rstd store made through a raw pointer there (a wrong result, found by the tests). A call is
+# opaque to it, and costs one call per thread.
+@njit(cache=_CACHE)
+def _forward_rows(
+    r0, r1, n, scratch,
+    x_addr, x_stride, x_code,
+    res_addr, res_stride, res_code,
+    w_addr,
+    y_addr, y_stride,
+    rout_addr, rout_stride, rout_code,
+    rstd_addr, eps_f64, cast_hf, round_first,
+):
+    buf = scratch[:n]
+    acc = scratch[n:]
+    lanes_max = SUM_LANES if scratch.itemsize == 4 else SUM_LANES // 2
+    # Constants in the compute dtype, through the scratch (numba would widen a float32 op with a
+    # Python number to f64): eps rounded to fp32 as torch does for ``var + eps``, and the width.
+    acc[0] = eps_f64
+    eps = acc[0]
+    one = eps / eps
+    acc[0] = n
+    width = acc[0]  # the mean is a true division by the width, as in torch
+    fused_one_dtype = res_code == x_code and rout_code == x_code and rout_addr != 0
+    for row in range(r0, r1):
+        if res_addr == 0:
+            _load_row(x_addr, row * x_stride, x_code, buf, n, False)
+        elif fused_one_dtype:
+            _load_add_store_row(
+                x_addr, row * x_stride, res_addr, row * res_stride, rout_addr, row * rout_stride,
+                x_code, buf, n, round_first,
+            )
+        else:
+            _load_row(x_addr, row * x_stride, x_code, buf, n, False)
+            _load_row(res_addr, row * res_stride, res_code, buf, n, True)
+            if round_first:
+                _round_row(buf, n, x_code)
+            if rout_addr != 0:
+                _store_row(rout_addr, row * rout_stride, rout_code, buf, n)
+        total = _sum_squares_torch_order(buf, n, acc, lanes_max)
+        rstd = one / np.sqrt(total / width + eps)
+        if rstd_addr != 0:
+            if scratch.itemsize == 4:
+                _ptr_f32(rstd_addr)[row] = rstd
+            else:
+                _ptr_f64(rstd_addr)[row] = rstd
+        _store_scaled_row(y_addr, row * y_stride, x_code, buf, w_addr, rstd, n, cast_hf)
+
+
+@njit(cache=_CACHE)
+def _forward_serial(
+    rows, n, scratch,
+    x_addr, x_stride, x_code, res_addr, res_stride, res_code, w_addr, y_addr, y_stride,
+    rout_addr, rout_stride, rout_code, rstd_addr, eps, cast_hf, round_first,
+):
+    _forward_rows(
+        0, rows, n, scratch[0],
+        x_addr, x_stride, x_code, res_addr, res_stride, res_code, w_addr, y_addr, y_stride,
+        rout_addr, rout_stride, rout_code, rstd_addr, eps, cast_hf, round_first,
+    )
+
+
+@njit(cache=_CACHE, parallel=True)
+def _forward_parallel(
+    rows, n, scratch,
+    x_addr, x_stride, x_code, res_addr, res_stride, res_code, w_addr, y_addr, y_stride,
+    rout_addr, rout_stride, rout_code, rstd_addr, eps, cast_hf, round_first,
+):
+    # One contiguous block of rows per thread; a row's bits never depend on the split.
+    nthreads = scratch.shape[0]
+    for t in prange(nthreads):
+        _forward_rows(
+            rows * t // nthreads, rows * (t + 1) // nthreads, n, scratch[t],
+            x_addr, x_stride, x_code, res_addr, res_stride, res_code, w_addr, y_addr, y_stride,
+            rout_addr, rout_stride, rout_code, rstd_addr, eps, cast_hf, round_first,
+        )
+
+
+@njit(cache=_CACHE)  # not inlined, for the same reason as _forward_rows
+def _backward_block(
+    r0, r1, n, buf, g, dw,
+    dy_addr, dy_stride, x_addr, x_stride, x_code, res_addr, res_stride, res_code,
+    w_addr, rstd_addr, dro_addr, dro_stride, dro_code,
+    dx_addr, dx_stride, dres_addr, dres_stride, round_first,
+):
+    """Rows [r0, r1): dx, dresidual, and this block's dweight partial (``dw``, written)."""
+    cd64 = buf.itemsize == 8
+    for j in range(n):
+        dw[j] = 0.0
+    # Compute-dtype constants (a Python number would widen float32 arithmetic to f64).
+    zero = dw[0]
+    buf[0] = n
+    width = buf[0]
+    for row in range(r0, r1):
+        _load_row(x_addr, row * x_stride, x_code, buf, n, False)
+        if res_addr != 0:
+            _load_row(res_addr, row * res_stride, res_code, buf, n, True)
+            if round_first:
+                _round_row(buf, n, x_code)
+        # Read through the scratch so rstd keeps the compute dtype in both specialisations.
+        if cd64:
+            g[0] = _ptr_f64(rstd_addr)[row]
+        else:
+            g[0] = _ptr_f32(rstd_addr)[row]
+        rstd = g[0]
+        _load_row(dy_addr, row * dy_stride, x_code, g, n, False)
+        if cd64:
+            w64 = _ptr_f64(w_addr)
+            for j in range(n):
+                buf[j] = buf[j] * rstd
+                dw[j] += g[j] * buf[j]
+                g[j] = g[j] * w64[j]
+        else:
+            w32 = _ptr_f32(w_addr)
+            for j in range(n):
+                buf[j] = buf[j] * rstd
+                dw[j] += g[j] * buf[j]
+                g[j] = g[j] * w32[j]
+        dot = zero
+        for j in range(n):
+            dot += g[j] * buf[j]
+        mean_dot = dot / width
+        for j in range(n):
+            g[j] = rstd * (g[j] - buf[j] * mean_dot)
+        if dro_addr != 0:
+            _load_row(dro_addr, row * dro_stride, dro_code, g, n, True)
+        _store_row(dx_addr, row * dx_stride, x_code, g, n)
+        if dres_addr != 0:
+            _store_row(dres_addr, row * dres_stride, res_code, g, n)
+
+
+@njit(cache=_CACHE, parallel=True)
+def _backward_kernel(
+    rows, n, block_rows, scratch, partials, dweight,
+    dy_addr, dy_stride, x_addr, x_stride, x_code, res_addr, res_stride, res_code,
+    w_addr, rstd_addr, dro_addr, dro_stride, dro_code,
+    dx_addr, dx_stride, dres_addr, dres_stride, round_first,
+):
+    nthreads = scratch.shape[0]
+    nblocks = partials.shape[0]
+    # Blocks are fixed by (rows, block_rows); threads only decide who computes which block.
+    for t in prange(nthreads):
+        buf = scratch[t, :n]
+        g = scratch[t, n:]
+        for b in range(nblocks * t // nthreads, nblocks * (t + 1) // nthreads):
+            _backward_block(
+                b * block_rows, min(rows, (b + 1) * block_rows), n, buf, g, partials[b],
+                dy_addr, dy_stride, x_addr, x_stride, x_code, res_addr, res_stride, res_code,
+                w_addr, rstd_addr, dro_addr, dro_stride, dro_code,
+                dx_addr, dx_stride, dres_addr, dres_stride, round_first,
+            )
+    # Fixed block order for every column: deterministic dweight.
+    for t in prange(nthreads):
+        for j in range(n * t // nthreads, n * (t + 1) // nthreads):
+            total = partials[0, j]
+            for b in range(1, nblocks):
+                total += partials[b, j]
+            dweight[j] = total
+
+
+# ---------------------------------------------------------------------------------------------
+# Launchers: allocate scratch, pick serial or parallel, pass addresses. Callers (ops.py) have
+# validated shapes and dtypes; every row tensor here is 2-D with unit stride along the row.
+
+_local = threading.local()
+_compile_lock = threading.Lock()
+_compiled: set = set()
+
+
+def _run(kernel, key, *args) -> None:
+    """Call a kernel; its first call per specialisation compiles with SLP vectorisation on.
+
+    numba leaves LLVM's SLP vectoriser off by default (numba issue 8705); the sum's explicit
+    per-lane accumulators need it to land in vector registers. The flag is read when a module is
+    optimised, so it is switched on only around dsnorm's own compilations (or cache loads).
+    """
+    if (kernel, key) in _compiled:
+        kernel(*args)
+        return
+    with _compile_lock:
+        previous = numba.config.SLP_VECTORIZE
+        numba.config.SLP_VECTORIZE = 1
+        try:
+            kernel(*args)
+        finally:
+            numba.config.SLP_VECTORIZE = previous
+        _compiled.add((kernel, key))
+
+
+def _scratch(nthreads: int, width: int, dtype) -> np.ndarray:
+    key = (nthreads, width, dtype)
+    cache = getattr(_local, "scratch", None)
+    if cache is None or cache[0] != key:
+        cache = (key, np.empty((nthreads, width), dtype=dtype))
+        _local.scratch = cache
+    return cache[1]
+
+
+_threading_ready = False
+
+
+def _start_threading() -> None:
+    """Start numba's thread pool without changing torch's thread count.
+
+    The omp pool shares the OpenMP runtime with torch, and starting it resets the runtime's thread
+    count to numba's default, which torch.get_num_threads() then reports: a user's
+    torch.set_num_threads(1) would silently become 2. Restore torch's setting once the pool runs
+    (later numba launches leave it alone).
+    """
+    global _threading_ready
+    with _compile_lock:
+        if not _threading_ready:
+            torch_threads = torch.get_num_threads()
+            numba.get_num_threads()  # starts the threading layer
+            torch.set_num_threads(torch_threads)
+            _threading_ready = True
+
+
+def _threads(numel: int) -> int:
+    """Threads for a call: torch's setting (torch.set_num_threads governs dsnorm too)."""
+    if numel < SERIAL_NUMEL:
+        return 1
+    if not _threading_ready:
+        _start_threading()
+    threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
+    if numba.get_num_threads() != threads:
+        numba.set_num_threads(threads)
+    return threads
+
+
+def _addr(t):
+    return 0 if t is None else t.data_ptr()
+
+
+def _stride(t):
+    return 0 if t is None else row_stride(t)
+
+
+def _code(t, default=F32):
+    return default if t is None else DTYPE_CODES[t.dtype]
+
+
+def row_stride(t: torch.Tensor) -> int:
+    """Element stride between rows of a ``[..., n]`` tensor whose leading dims collapse to one
+    stride (ops.py guarantees that): no 2-D view is built, since a view costs ~1 µs at decode."""
+    if t.is_contiguous():
+        return t.shape[-1]
+    for size, stride in zip(reversed(t.shape[:-1]), reversed(t.stride()[:-1])):
+        if size != 1:
+            return stride
+    return t.shape[-1]
+
+
+def forward(x, residual, weight, eps, cast_hf, round_first, y, residual_out, rstd) -> None:
+    """y = weight * s * rsqrt(mean(s^2) + eps), s = x (+ residual); residual_out = s; rstd saved.
+
+    x, y: ``[..., n]`` with unit stride along the row and leading dims that collapse to one row
+    stride (y may be x); residual, residual_out: the same or None (residual_out may be residual);
+    weight: [n] in the compute dtype (fp64 for fp64 x, else fp32); rstd: [rows] contiguous in the
+    compute dtype, or None.
+    """
+    n = x.shape[-1]
+    numel = x.numel()
+    if numel == 0:
+        return
+    rows = numel // n
+    x64 = x.dtype == torch.float64
+    nthreads = 1 if numel < SERIAL_NUMEL else max(1, min(_threads(numel), rows))
+    scratch = _scratch(nthreads, n + ACC_SLOTS, np.float64 if x64 else np.float32)
+    _run(
+        _forward_serial if nthreads == 1 else _forward_parallel, x64,
+        rows, n, scratch,
+        x.data_ptr(), row_stride(x), DTYPE_CODES[x.dtype],
+        0 if residual is None else residual.data_ptr(),
+        0 if residual is None else row_stride(residual),
+        0 if residual is None else DTYPE_CODES[residual.dtype],
+        weight.data_ptr(), y.data_ptr(), row_stride(y),
+        0 if residual_out is None else residual_out.data_ptr(),
+        0 if residual_out is None else row_stride(residual_out),
+        0 if residual_out is None else DTYPE_CODES[residual_out.dtype],
+        0 if rstd is None else rstd.data_ptr(), float(eps), cast_hf, round_first,
+    )
+
+
+def dweight_block_rows(rows: int) -> int:
+    """Rows per dweight partial: a function of the row count only (never of the thread count)."""
+    return max(16, -(-rows // 256))
+
+
+def backward(dy, x, residual, weight, rstd, dresidual_out, round_first, dx, dresidual, dweight) -> None:
+    """Gradients of ``forward``: dx (x.dtype), dresidual (residual's dtype), dweight ([n], written).
+
+    ds = rstd * (g - xhat * mean(g * xhat)) + dresidual_out, g = dy * weight, xhat = s * rstd;
+    dweight = sum over rows of dy * xhat, reduced over fixed row blocks in block order.
+    """
+    n = x.shape[-1]
+    rows = x.numel() // n
+    np_cdtype = np.float64 if x.dtype == torch.float64 else np.float32
+    if rows == 0:
+        dweight.zero_()
+        return
+    block_rows = dweight_block_rows(rows)
+    nblocks = -(-rows // block_rows)
+    nthreads = max(1, min(_threads(max(rows * n, SERIAL_NUMEL)), nblocks))
+    scratch = np.empty((nthreads, 2 * n), dtype=np_cdtype)
+    partials = np.empty((nblocks, n), dtype=np_cdtype)
+    dw = np.empty(n, dtype=np_cdtype)
+    _run(
+        _backward_kernel, np_cdtype,
+        rows, n, block_rows, scratch, partials, dw,
+        dy.data_ptr(), row_stride(dy), x.data_ptr(), row_stride(x), DTYPE_CODES[x.dtype],
+        _addr(residual), _stride(residual), _code(residual),
+        weight.data_ptr(), rstd.data_ptr(),
+        _addr(dresidual_out), _stride(dresidual_out), _code(dresidual_out),
+        dx.data_ptr(), row_stride(dx), _addr(dresidual), _stride(dresidual), bool(round_first),
+    )
+    dweight.copy_(torch.from_numpy(dw))
+
+
+# ---------------------------------------------------------------------------------------------
+# Fresh outputs. A fresh 235 MB output costs more in first-touch page faults (4 KiB each) than the
+# kernel costs in arithmetic. This machine's transparent huge pages are in "madvise" mode, so
+# advising the fresh buffer before its first touch lets the kernel fault it in 2 MiB pages.
+
+_HUGE_PAGE = 2 << 20
+_ADVISE_BYTES = 4 << 20
+_MADV_HUGEPAGE = 14
+
+
+def _make_madvise():
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.madvise
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        fn.restype = ctypes.c_int
+        return fn
+    except (OSError, AttributeError):  # not Linux/glibc: plain pages
+        return None
+
+
+_madvise = _make_madvise()
+
+
+def empty_output(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A fresh, contiguous, uninitialised CPU tensor of ``like``'s shape; large ones advised for
+    huge pages before their first touch."""
+    if like.is_contiguous():
+        out = torch.empty_like(like, dtype=dtype)
+    else:
+        out = torch.empty(like.shape, dtype=dtype)
+    nbytes = out.numel() * out.element_size()
+    if _madvise is not None and nbytes >= _ADVISE_BYTES:
+        start = -(-out.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
+        end = (out.data_ptr() + nbytes) // _HUGE_PAGE * _HUGE_PAGE
+        if end > start:
+            _madvise(start, end - start, _MADV_HUGEPAGE)  # advice only: failure leaves 4 KiB pages
+    return out

@@ -1,0 +1,69 @@
+"""``RMSNorm``: a drop-in for DeepSeek-V3.2-Exp's ``inference/model.py`` RMSNorm class."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from dsnorm.autograd import fused_add_rms_norm, rms_norm
+from dsnorm.ops import check_options
+from dsnorm.ref import EPS
+
+
+class RMSNorm(nn.Module):
+    """``y = (weight * (x * rsqrt(mean(x^2) + eps))).to(x.dtype)``; with a residual, the norm of the
+    unrounded fp32 sum ``s = x + residual`` and ``(y, s.to(x.dtype))``.
+
+    Same constructor, parameter (``weight``, float32, ones) and ``forward`` contract as the
+    reference class, so ``load_state_dict`` of a reference checkpoint works unchanged.
+
+    Args:
+        dim: width ``n`` of the normalised (last) dimension.
+        eps: added to the mean square (1e-6 in every DeepSeek-V3.2 norm).
+        cast, residual_rounding, residual_dtype: compatibility options, see
+            :func:`dsnorm.fused_add_rms_norm`; the defaults are the reference's numerics.
+        device: where ``weight`` is created.
+
+    Shapes: ``x`` and ``residual`` ``[..., dim]``; outputs the same shape, ``y`` in ``x.dtype``.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        eps: float = EPS,
+        *,
+        cast: str = "deepseek",
+        residual_rounding: str = "fp32_sum",
+        residual_dtype: Optional[torch.dtype] = None,
+        device=None,
+    ):
+        super().__init__()
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
+            raise ValueError(f"dim must be an int >= 1, got {dim!r}")
+        check_options(eps, cast, residual_rounding, residual_dtype)
+        self.dim = dim
+        self.eps = eps
+        self.cast = cast
+        self.residual_rounding = residual_rounding
+        self.residual_dtype = residual_dtype
+        self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32, device=device))
+
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps, cast=self.cast)
+        return fused_add_rms_norm(
+            x, residual, self.weight, self.eps, cast=self.cast,
+            residual_rounding=self.residual_rounding, residual_dtype=self.residual_dtype,
+        )
+
+    def extra_repr(self) -> str:
+        extra = f"{self.dim}, eps={self.eps}"
+        if self.cast != "deepseek":
+            extra += f", cast={self.cast!r}"
+        if self.residual_rounding != "fp32_sum":
+            extra += f", residual_rounding={self.residual_rounding!r}"
+        if self.residual_dtype is not None:
+            extra += f", residual_dtype={self.residual_dtype}"
+        return extra

@@ -1,0 +1,359 @@
+"""``torch.library`` custom ops (namespace ``dsnorm``), their checks, fake impls and device dispatch.
+
+Ops (``torch.ops.dsnorm.*``):
+
+* ``rms_norm(x, weight, eps, cast) -> y`` (inference: nothing saved)
+* ``fused_add_rms_norm(x, residual, weight, eps, cast, residual_rounding, residual_dtype)
+  -> (y, residual_out)`` (inference)
+* ``rms_norm_fwd(x, weight, eps, cast) -> (y, rstd)`` (training: also the per-row rstd)
+* ``fused_add_rms_norm_fwd(x, residual, weight, eps, cast, residual_rounding, residual_dtype)
+  -> (y, residual_out, rstd)``
+* ``fused_add_rms_norm_(x!, residual!, weight, eps, cast, residual_rounding) -> ()`` (in place)
+* ``rms_norm_bwd(dy, x, weight, rstd) -> (dx, dweight)``
+* ``fused_add_rms_norm_bwd(dy, x, residual, weight, rstd, dresidual_out, residual_rounding)
+  -> (dx, dresidual, dweight)``
+
+Every op takes tensors of any leading shape and a unit-stride last dimension (other inputs are
+copied once); ``weight`` is already in the compute dtype (fp32, fp64 for fp64 ``x``): the
+functional API upcasts other weights. The ops are defined with the low-level
+``torch.library.Library`` API: ``@custom_op`` adds several microseconds of Python per call, which
+is more than a decode-sized norm costs. The CPU key runs the numba kernels (:mod:`dsnorm.cpu`), the
+CUDA key the Triton kernels (:mod:`dsnorm.triton.launch`, imported on first CUDA use).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dsnorm.ref import CASTS, RESIDUAL_ROUNDINGS, compute_dtype
+
+INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+lib = torch.library.Library("dsnorm", "DEF")  # noqa: TOR901 (kept alive for the process)
+lib.define("rms_norm(Tensor x, Tensor weight, float eps, str cast) -> Tensor")
+lib.define(
+    "fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps, str cast, "
+    "str residual_rounding, ScalarType? residual_dtype) -> (Tensor, Tensor)"
+)
+lib.define("rms_norm_fwd(Tensor x, Tensor weight, float eps, str cast) -> (Tensor, Tensor)")
+lib.define(
+    "fused_add_rms_norm_fwd(Tensor x, Tensor residual, Tensor weight, float eps, str cast, "
+    "str residual_rounding, ScalarType? residual_dtype) -> (Tensor, Tensor, Tensor)"
+)
+lib.define(
+    "fused_add_rms_norm_(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps, str cast, "
+    "str residual_rounding) -> ()"
+)
+lib.define("rms_norm_bwd(Tensor dy, Tensor x, Tensor weight, Tensor rstd) -> (Tensor, Tensor)")
+lib.define(
+    "fused_add_rms_norm_bwd(Tensor dy, Tensor x, Tensor residual, Tensor weight, Tensor rstd, "
+    "Tensor? dresidual_out, str residual_rounding) -> (Tensor, Tensor, Tensor)"
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks: shared by the real impls and the fakes, so bad input fails the same way eagerly and
+# under torch.compile, and before anything is written. They run on every call, so the common
+# case is kept to a few attribute reads.
+
+_OPTIONS_OK: set = set()
+
+
+def check_options(eps, cast, residual_rounding="fp32_sum", residual_dtype=None) -> None:
+    key = (type(eps), eps, cast, residual_rounding, residual_dtype)
+    if key in _OPTIONS_OK:
+        return
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
+        raise ValueError(f"eps must be a finite number > 0, got {eps!r}")
+    if cast not in CASTS:
+        raise ValueError(f"cast must be one of {CASTS}, got {cast!r}")
+    if residual_rounding not in RESIDUAL_ROUNDINGS:
+        raise ValueError(f"residual_rounding must be one of {RESIDUAL_ROUNDINGS}, got {residual_rounding!r}")
+    if residual_dtype not in (None, torch.float32):
+        raise ValueError(f"residual_dtype must be None (x.dtype) or torch.float32, got {residual_dtype!r}")
+    if residual_rounding == "round_first" and residual_dtype is not None:
+        raise ValueError(
+            "residual_rounding='round_first' with residual_dtype=torch.float32 is contradictory: "
+            "round_first rounds the residual stream to x.dtype; use residual_dtype=None"
+        )
+    if len(_OPTIONS_OK) < 1024:
+        _OPTIONS_OK.add(key)
+
+
+def check_input(x: torch.Tensor, name: str = "x") -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in INPUT_DTYPES:
+        raise TypeError(f"{name} must be float32, bfloat16, float16 or float64, got {x.dtype}")
+    if x.dim() == 0:
+        raise ValueError(f"{name} must have at least one dimension (the normalised one), got a scalar")
+    if x.shape[-1] == 0:
+        raise ValueError(f"{name} must have a last dimension of width >= 1, got shape {tuple(x.shape)}")
+
+
+def check_weight(weight: torch.Tensor, x: torch.Tensor) -> None:
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
+    if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
+        raise ValueError(
+            f"weight must have shape ({x.shape[-1]},) to match x's last dimension, got {tuple(weight.shape)}"
+        )
+    if weight.device != x.device:
+        raise ValueError(f"weight must be on x's device {x.device}, got {weight.device}")
+    if weight.dtype != compute_dtype(x.dtype):
+        raise TypeError(
+            f"weight must be {compute_dtype(x.dtype)} (the compute dtype for x of {x.dtype}) at the op "
+            f"level, got {weight.dtype}; dsnorm.rms_norm and friends upcast other weights exactly"
+        )
+
+
+def check_residual(residual: torch.Tensor, x: torch.Tensor, residual_dtype, name: str = "residual") -> None:
+    if not isinstance(residual, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(residual).__name__}")
+    if residual.shape != x.shape:
+        raise ValueError(f"{name} must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")
+    if residual.device != x.device:
+        raise ValueError(f"{name} must be on x's device {x.device}, got {residual.device}")
+    allowed = (x.dtype,) if residual_dtype is None else (x.dtype, torch.float32)
+    if residual.dtype not in allowed:
+        want = " or ".join(str(d) for d in dict.fromkeys(allowed))
+        hint = ""
+        if residual.dtype == torch.float32:
+            hint = "; pass residual_dtype=torch.float32 to carry an fp32 residual stream"
+        raise TypeError(f"{name} must be {want} (residual_dtype={residual_dtype}), got {residual.dtype}{hint}")
+
+
+def _rstd_like(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[:-1], dtype=compute_dtype(x.dtype))
+
+
+# ---------------------------------------------------------------------------------------------
+# Geometry: kernels read rows of unit stride whose leading dims collapse to one row stride (the
+# kv_norm input, a 512-of-576 slice, is read in place). Anything else is copied once.
+
+
+def rows_viewable(t: torch.Tensor) -> bool:
+    """True if ``t`` is ``[..., n]`` with unit stride along n and one stride between rows."""
+    if t.is_contiguous():
+        return True
+    if t.stride(-1) != 1 and t.shape[-1] != 1:
+        return False
+    expected = None
+    for size, stride in zip(reversed(t.shape[:-1]), reversed(t.stride()[:-1])):
+        if size == 1:
+            continue
+        if expected is not None and stride != expected:
+            return False
+        expected = stride * size
+    return True
+
+
+def readable_rows(t: torch.Tensor) -> torch.Tensor:
+    return t if rows_viewable(t) else t.contiguous()
+
+
+def as_rows(t: torch.Tensor) -> torch.Tensor:
+    """A 2-D ``[rows, n]`` view of a rows-viewable tensor (the Triton launchers take 2-D)."""
+    return t if t.dim() == 2 else t.view(-1, t.shape[-1])
+
+
+# ---------------------------------------------------------------------------------------------
+# Device dispatch: the launchers of one device share one interface.
+
+_launchers: dict = {}
+
+
+def _launcher(x: torch.Tensor):
+    """The launcher module for x's device (looked up by a cheap flag: this runs on every call)."""
+    kind = "cpu" if x.is_cpu else x.device.type
+    launcher = _launchers.get(kind)
+    if launcher is None:
+        launcher = _launchers[kind] = _load_launcher(x.device)
+    return launcher
+
+
+def _load_launcher(device: torch.device):
+    if device.type == "cpu":
+        from dsnorm import cpu
+
+        return cpu
+    if device.type == "cuda":
+        try:
+            from dsnorm.triton import launch
+        except ImportError as e:  # no slow eager fallback: say what is missing
+            raise RuntimeError(
+                "dsnorm needs Triton for CUDA tensors (pip install 'dsnorm[gpu]'): " + str(e)
+            ) from e
+        return launch
+    raise NotImplementedError(f"dsnorm has kernels for cpu and cuda tensors, not {device.type}")
+
+
+def _plain(x, weight, eps, cast, save_rstd):
+    check_input(x)
+    check_weight(weight, x)
+    check_options(eps, cast)
+    x = readable_rows(x)
+    launcher = _launcher(x)
+    y = launcher.empty_output(x, x.dtype)
+    rstd = _rstd_like(x) if save_rstd else None
+    launcher.forward(x, None, weight, eps, cast == "hf", False, y, None, rstd)
+    return y, rstd
+
+
+def _fused(x, residual, weight, eps, cast, residual_rounding, residual_dtype, save_rstd):
+    check_input(x)
+    check_residual(residual, x, residual_dtype)
+    check_weight(weight, x)
+    check_options(eps, cast, residual_rounding, residual_dtype)
+    x = readable_rows(x)
+    residual = readable_rows(residual)
+    launcher = _launcher(x)
+    y = launcher.empty_output(x, x.dtype)
+    residual_out = launcher.empty_output(x, residual_dtype or x.dtype)
+    rstd = _rstd_like(x) if save_rstd else None
+    launcher.forward(
+        x, residual, weight, eps, cast == "hf", residual_rounding == "round_first", y, residual_out, rstd
+    )
+    return y, residual_out, rstd
+
+
+def rms_norm(x, weight, eps, cast):
+    return _plain(x, weight, eps, cast, False)[0]
+
+
+def rms_norm_fwd(x, weight, eps, cast):
+    return _plain(x, weight, eps, cast, True)
+
+
+def fused_add_rms_norm(x, residual, weight, eps, cast, residual_rounding, residual_dtype):
+    return _fused(x, residual, weight, eps, cast, residual_rounding, residual_dtype, False)[:2]
+
+
+def fused_add_rms_norm_fwd(x, residual, weight, eps, cast, residual_rounding, residual_dtype):
+    return _fused(x, residual, weight, eps, cast, residual_rounding, residual_dtype, True)
+
+
+def check_inplace(x, residual) -> None:
+    """In place, the residual buffer's own dtype decides the stream: x.dtype, or fp32."""
+    if not isinstance(residual, torch.Tensor):
+        raise TypeError(f"residual must be a torch.Tensor, got {type(residual).__name__}")
+    check_residual(residual, x, torch.float32 if residual.dtype == torch.float32 else None)
+    for name, t in (("x", x), ("residual", residual)):
+        if not rows_viewable(t):
+            raise ValueError(
+                f"{name} must have unit-stride rows with one stride between them to be written in place, "
+                f"got shape {tuple(t.shape)} and strides {t.stride()}"
+            )
+    if _overlaps(x, residual):
+        raise ValueError("x and residual must not share memory in the in-place form")
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    a0 = a.data_ptr()
+    b0 = b.data_ptr()
+    a1 = a0 + (sum((s - 1) * st for s, st in zip(a.shape, a.stride())) + 1) * a.element_size()
+    b1 = b0 + (sum((s - 1) * st for s, st in zip(b.shape, b.stride())) + 1) * b.element_size()
+    return a0 < b1 and b0 < a1
+
+
+def fused_add_rms_norm_inplace(x, residual, weight, eps, cast, residual_rounding):
+    check_input(x)
+    check_inplace(x, residual)
+    check_weight(weight, x)
+    check_options(eps, cast, residual_rounding, torch.float32 if residual.dtype != x.dtype else None)
+    _launcher(x).forward(
+        x, residual, weight, eps, cast == "hf", residual_rounding == "round_first", x, residual, None
+    )
+
+
+def rms_norm_bwd(dy, x, weight, rstd):
+    x = readable_rows(x)
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    dweight = torch.empty_like(weight)
+    _launcher(x).backward(readable_rows(dy), x, None, weight, rstd, None, False, dx, None, dweight)
+    return dx, dweight
+
+
+def fused_add_rms_norm_bwd(dy, x, residual, weight, rstd, dresidual_out, residual_rounding):
+    x = readable_rows(x)
+    residual = readable_rows(residual)
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    dresidual = torch.empty(residual.shape, dtype=residual.dtype, device=x.device)
+    dweight = torch.empty_like(weight)
+    _launcher(x).backward(
+        readable_rows(dy), x, residual, weight, rstd,
+        None if dresidual_out is None else readable_rows(dresidual_out), residual_rounding == "round_first",
+        dx, dresidual, dweight,
+    )
+    return dx, dresidual, dweight
+
+
+for _key in ("CPU", "CUDA"):
+    lib.impl("rms_norm", rms_norm, _key)
+    lib.impl("fused_add_rms_norm", fused_add_rms_norm, _key)
+    lib.impl("rms_norm_fwd", rms_norm_fwd, _key)
+    lib.impl("fused_add_rms_norm_fwd", fused_add_rms_norm_fwd, _key)
+    lib.impl("fused_add_rms_norm_", fused_add_rms_norm_inplace, _key)
+    lib.impl("rms_norm_bwd", rms_norm_bwd, _key)
+    lib.impl("fused_add_rms_norm_bwd", fused_add_rms_norm_bwd, _key)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fake impls: shapes and dtypes only, after the same checks.
+
+
+@torch.library.register_fake("dsnorm::rms_norm_fwd", lib=lib)
+def _rms_norm_fwd_fake(x, weight, eps, cast):
+    check_input(x)
+    check_weight(weight, x)
+    check_options(eps, cast)
+    return torch.empty_like(x, memory_format=torch.contiguous_format), _rstd_like(x)
+
+
+@torch.library.register_fake("dsnorm::rms_norm", lib=lib)
+def _rms_norm_fake(x, weight, eps, cast):
+    return _rms_norm_fwd_fake(x, weight, eps, cast)[0]
+
+
+@torch.library.register_fake("dsnorm::fused_add_rms_norm_fwd", lib=lib)
+def _fused_fwd_fake(x, residual, weight, eps, cast, residual_rounding, residual_dtype):
+    check_input(x)
+    check_residual(residual, x, residual_dtype)
+    check_weight(weight, x)
+    check_options(eps, cast, residual_rounding, residual_dtype)
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    residual_out = torch.empty_like(x, dtype=residual_dtype or x.dtype, memory_format=torch.contiguous_format)
+    return y, residual_out, _rstd_like(x)
+
+
+@torch.library.register_fake("dsnorm::fused_add_rms_norm", lib=lib)
+def _fused_fake(x, residual, weight, eps, cast, residual_rounding, residual_dtype):
+    return _fused_fwd_fake(x, residual, weight, eps, cast, residual_rounding, residual_dtype)[:2]
+
+
+@torch.library.register_fake("dsnorm::fused_add_rms_norm_", lib=lib)
+def _fused_inplace_fake(x, residual, weight, eps, cast, residual_rounding):
+    check_input(x)
+    check_weight(weight, x)
+    check_options(eps, cast, residual_rounding)
+    return None
+
+
+@torch.library.register_fake("dsnorm::rms_norm_bwd", lib=lib)
+def _rms_norm_bwd_fake(dy, x, weight, rstd):
+    return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(weight)
+
+
+@torch.library.register_fake("dsnorm::fused_add_rms_norm_bwd", lib=lib)
+def _fused_bwd_fake(dy, x, residual, weight, rstd, dresidual_out, residual_rounding):
+    return (
+        torch.empty_like(x, memory_format=torch.contiguous_format),
+        torch.empty_like(residual, memory_format=torch.contiguous_format),
+        torch.empty_like(weight),
+    )

@@ -1,0 +1,235 @@
+"""Replace the RMSNorm modules of a model with ``dsnorm.RMSNorm``, keeping its numerics bit for bit.
+
+``y = weight * x / sqrt(mean(x^2) + eps)`` is computed by every RMSNorm family in float32, but they
+differ in where the result is rounded, and that decides the ``cast`` mode dsnorm must use:
+
+* the DeepSeek reference ``RMSNorm`` (float32 weight) and ``torch.nn.RMSNorm`` on CPU
+  (``F.rms_norm`` multiplies the float32 x̂ by the weight in float32, then casts once) are
+  ``cast="deepseek"``: ``(weight * xhat).to(x.dtype)``;
+* Hugging Face ``DeepseekV3RMSNorm`` and the Llama-style norms (``variance_epsilon``) compute
+  ``weight * xhat.to(x.dtype)``: with a weight in the activations' dtype (a bf16 model) that is
+  ``cast="hf"``: ``weight.to(x.dtype) * xhat.to(x.dtype)``.
+
+The weight is copied exactly (bf16/fp16 widen to float32 without rounding) and eps is read from the
+module. Norms dsnorm cannot reproduce are left in place and reported: Gemma-style ``(1 + weight)``
+gains, norms without a weight, multi-dimensional normalised shapes, ``torch.nn.RMSNorm`` off CPU (a
+fused kernel of its own order), unknown implementations. Each replacement is also checked on probe
+inputs against the module it replaces, and left alone if any output bit differs.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import warnings
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch import nn
+
+from dsnorm.module import RMSNorm
+
+# Activation dtypes dsnorm and the norms it replaces share; the weight must widen to fp32 exactly.
+_EXACT_WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_RMS_LIKE = re.compile(r"rms_?norm", re.IGNORECASE)
+
+
+@dataclass
+class PatchEntry:
+    """One RMSNorm-like module: what :func:`patch` did with it and why.
+
+    Attributes:
+        name: module path in the model (``""`` for the root).
+        cls: the original class name.
+        replaced: True when it is now a ``dsnorm.RMSNorm``.
+        cast: the dsnorm ``cast`` chosen (``None`` when left alone).
+        eps: the eps read from the module (``None`` when left alone).
+        reason: why it was replaced with that cast, or why it was left alone.
+    """
+
+    name: str
+    cls: str
+    replaced: bool
+    reason: str
+    cast: Optional[str] = None
+    eps: Optional[float] = None
+    dim: Optional[int] = None
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class PatchReport:
+    """Result of :func:`patch`: ``replaced`` and ``left`` entries (:class:`PatchEntry`)."""
+
+    replaced: list = field(default_factory=list)
+    left: list = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"replaced": [e.to_dict() for e in self.replaced], "left": [e.to_dict() for e in self.left]}
+
+    def __str__(self) -> str:
+        lines = [f"replaced {len(self.replaced)} norm(s), left {len(self.left)}"]
+        lines += [f"  replaced {e.name or '<root>'} ({e.cls}, dim {e.dim}, eps {e.eps:g}) with cast={e.cast!r}: {e.reason}"
+                  for e in self.replaced]
+        lines += [f"  left {e.name or '<root>'} ({e.cls}): {e.reason}" for e in self.left]
+        return "\n".join(lines)
+
+
+class _Leave(Exception):
+    pass
+
+
+def _weight_1d(module: nn.Module) -> torch.Tensor:
+    w = getattr(module, "weight", None)
+    if w is None:
+        raise _Leave("no weight (nothing to keep; dsnorm always has a gain)")
+    if not isinstance(w, torch.Tensor):
+        raise _Leave(f"weight is a {type(w).__name__}, not a tensor")
+    if w.dim() != 1:
+        raise _Leave(f"weight is {w.dim()}-D {list(w.shape)}: dsnorm normalises over the last axis only")
+    if w.is_meta:
+        raise _Leave("weight is on the meta device (no values to keep or check)")
+    if w.dtype not in _EXACT_WEIGHT_DTYPES:
+        raise _Leave(f"weight is {w.dtype}: only bf16/fp16/fp32 gains are kept exactly in dsnorm's fp32 weight")
+    return w
+
+
+def _eps(value, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _Leave(f"{what} is {value!r}, not a number")
+    return float(value)
+
+
+def _takes_residual(module: nn.Module) -> bool:
+    try:
+        return "residual" in inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _plan(module: nn.Module) -> tuple:
+    """``(cast, eps, probe_dtypes, fused_probe, reason)`` for a norm dsnorm reproduces; raises ``_Leave`` otherwise."""
+    cls = type(module).__name__
+    if isinstance(module, nn.RMSNorm):
+        if len(module.normalized_shape) != 1:
+            raise _Leave(f"normalized_shape {tuple(module.normalized_shape)} spans several axes")
+        w = _weight_1d(module)
+        if w.device.type != "cpu":
+            # Off CPU F.rms_norm may dispatch to a fused kernel whose reduction order dsnorm does not claim.
+            raise _Leave(f"torch.nn.RMSNorm on {w.device.type}: F.rms_norm uses its own fused kernel there; "
+                         "bitwise equality is established on CPU only")
+        # eps=None means float32's machine epsilon for bf16/fp16/fp32 inputs (F.rms_norm's opmath type).
+        eps = torch.finfo(torch.float32).eps if module.eps is None else _eps(module.eps, "eps")
+        dtypes = sorted({w.dtype, torch.bfloat16, torch.float32}, key=str)
+        return ("deepseek", eps, dtypes, False,
+                "torch.nn.RMSNorm on CPU: F.rms_norm multiplies the fp32 x̂ by the weight in fp32, casts once")
+    if "gemma" in cls.lower():
+        raise _Leave("Gemma-style norm: gain is (1 + weight), not weight")
+    if hasattr(module, "variance_epsilon") and _RMS_LIKE.search(cls):
+        w = _weight_1d(module)
+        eps = _eps(module.variance_epsilon, "variance_epsilon")
+        note = "" if w.dtype != torch.float32 else " (fp32 weight: exact for fp32 activations)"
+        return ("hf", eps, [w.dtype], False,
+                f"Hugging Face / Llama-style: weight * x̂.to(x.dtype), weight {str(w.dtype)[6:]}; "
+                f"inputs assumed in the weight's dtype{note}")
+    if cls in ("RMSNorm", "RMSNormRef") and hasattr(module, "eps") and hasattr(module, "dim") and _takes_residual(module):
+        w = _weight_1d(module)
+        eps = _eps(module.eps, "eps")
+        if w.shape[0] != module.dim:
+            raise _Leave(f"weight has {w.shape[0]} elements but dim is {module.dim}")
+        return ("deepseek", eps, [torch.bfloat16, torch.float32], True,
+                "DeepSeek reference RMSNorm: (weight * x̂) in fp32, cast once; fused residual form kept")
+    raise _Leave(f"unrecognised RMSNorm implementation {cls}: not known to be reproducible bitwise")
+
+
+def _probe(old: nn.Module, new: RMSNorm, dtypes: list, fused: bool) -> Optional[str]:
+    """Run both modules on a few fixed inputs; the first difference found, or ``None``."""
+    gen = torch.Generator().manual_seed(0x5EED)
+    dim = new.dim
+    device = new.weight.device
+    base = torch.randn(6, dim, generator=gen)
+    # Rows of very different magnitudes and one all-zero row exercise eps and the rounding.
+    base = base * torch.tensor([1.0, 1e-3, 30.0, 1.0, 1e2, 0.0]).unsqueeze(1)
+    res = torch.randn(6, dim, generator=gen)
+    # F.rms_norm warns when input and weight dtypes differ; the probe does that on purpose.
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for dtype in dtypes:
+            x = base.to(device=device, dtype=dtype)
+            a, b = old.forward(x), new(x)
+            if not isinstance(a, torch.Tensor) or a.dtype != b.dtype or not torch.equal(a, b):
+                return f"probe in {dtype}: output differs from dsnorm cast={new.cast!r}"
+            if fused:
+                r = res.to(device=device, dtype=dtype)
+                a, b = old.forward(x, r), new(x, r)
+                if not (isinstance(a, tuple) and len(a) == 2 and all(torch.equal(p, q) and p.dtype == q.dtype
+                                                                    for p, q in zip(a, b))):
+                    return f"probe in {dtype} with residual: output differs from dsnorm cast={new.cast!r}"
+    return None
+
+
+def patch(model: nn.Module, *, probe: bool = True) -> PatchReport:
+    """Replace, in place, every RMSNorm-like module of ``model`` with a ``dsnorm.RMSNorm`` of the same numerics.
+
+    ``y = weight * x / sqrt(mean(x^2) + eps)``: the reference ``RMSNorm`` and ``torch.nn.RMSNorm`` (CPU)
+    become ``cast="deepseek"``, Hugging Face ``DeepseekV3RMSNorm`` / Llama-style norms ``cast="hf"``;
+    the 1-D weight is copied exactly into dsnorm's float32 ``weight[dim]`` on the same device, with
+    its ``requires_grad``; eps is read from the module. A module shared under several names is
+    replaced by one shared dsnorm module.
+
+    Args:
+        model: an ``nn.Module``; its children are replaced, the root itself never.
+        probe: check every replacement bitwise on fixed probe inputs in the dtypes it will see (the
+            weight's dtype for HF norms) and leave the module alone on any difference.
+
+    Returns:
+        :class:`PatchReport`: what was replaced (with cast and eps) and what was left alone and why
+        (Gemma-style ``(1 + w)`` gains, no weight, multi-dimensional shapes, unknown classes, ...).
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    report = PatchReport()
+    done: dict = {}
+    # Snapshot first: replacing children while iterating named_modules would skip or revisit modules.
+    candidates = [(n, m) for n, m in model.named_modules(remove_duplicate=False)
+                  if isinstance(m, nn.RMSNorm) or _RMS_LIKE.search(type(m).__name__)]
+    for name, old in candidates:
+        cls = type(old).__name__
+        if isinstance(old, RMSNorm):
+            report.left.append(PatchEntry(name, cls, False, "already a dsnorm.RMSNorm"))
+            continue
+        if name == "":
+            report.left.append(PatchEntry(name, cls, False, "the root module cannot be replaced in place"))
+            continue
+        new, why = done.get(id(old), (None, ""))
+        if new is None:
+            try:
+                cast, eps, dtypes, fused, why = _plan(old)
+            except _Leave as e:
+                report.left.append(PatchEntry(name, cls, False, str(e)))
+                continue
+            w = old.weight
+            new = RMSNorm(w.shape[0], eps, cast=cast, device=w.device)
+            with torch.no_grad():
+                new.weight.copy_(w.detach().to(torch.float32))
+            new.weight.requires_grad_(w.requires_grad)
+            new.train(old.training)
+            if probe:
+                try:
+                    diff = _probe(old, new, dtypes, fused)
+                except Exception as e:  # the module under test may reject the probe input: then it stays
+                    diff = f"probe failed: {type(e).__name__}: {e}"
+                if diff is not None:
+                    report.left.append(PatchEntry(name, cls, False, diff))
+                    continue
+            done[id(old)] = (new, why)
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, new)
+        report.replaced.append(PatchEntry(name, cls, True, why, new.cast, new.eps, new.dim))
+    return report

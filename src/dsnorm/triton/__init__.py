@@ -1,0 +1,1 @@
+"""Triton GPU kernels (``kernels``) and their launchers (``launch``); imported only for CUDA tensors."""

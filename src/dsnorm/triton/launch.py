@@ -1,0 +1,200 @@
+"""Launchers for the Triton kernels, with the same contract as ``dsnorm.cpu``'s.
+
+Callers (ops.py) have validated shapes and dtypes: every row tensor is 2-D ``[rows, n]`` with unit
+stride along the row and any row stride; ``weight`` is ``[n]`` contiguous in the compute dtype
+(fp64 for fp64 inputs, else fp32); ``rstd`` is ``[rows]`` in the compute dtype. Only scratch (the
+dweight partials) is allocated here.
+
+Launch heuristics (no autotuning: the first call must not sweep configs):
+
+* ``BLOCK_N`` = next power of two >= n, capped at ``MAX_BLOCK_N`` (wider rows loop over blocks in
+  two passes). All DeepSeek widths (7168, 1536, 512) fit in one block.
+* ``num_warps``: one 16-byte vector access per thread per block (8 bf16/fp16, 4 fp32, 2 fp64
+  elements), clamped to 1..16 warps: 7168 -> 8192 cols -> 16 warps (16 elements a thread for
+  16-bit dtypes), 1536 -> 2048 -> 8 warps, 512 -> 2 warps (bf16) / 4 (fp32). Hopper runs 64 warps
+  per SM, so wide rows still get 4 programs per SM; decode (1-64 rows) is one program per row and
+  latency bound whatever the split, so the warps only have to cover one row.
+* Rows per program: forward 1 (each program has a single row's worth of loads in flight; many
+  small resident programs hide latency better than a loop that serialises rows), more only past
+  ``FWD_MAX_PROGRAMS`` rows. Backward: a row block per program so that the dweight partials stay
+  small, sized from the row count and ``n`` only (never the GPU's SM count), so dweight has the same
+  bits on any GPU: about ``BWD_PROGRAM_THREADS / threads-per-program`` programs.
+
+Batch invariance: ``BLOCK_N`` and ``num_warps`` depend on ``n`` and the dtypes only, and a
+program's rows are processed one at a time by the same code, so a row's forward bits do not depend
+on how many rows share the launch.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dsnorm.triton import kernels
+
+# Widest block held in registers: 8192 columns is 16 fp32 values a thread per live row vector at
+# 16 warps; the backward keeps about five such vectors live. fp64 halves it.
+MAX_BLOCK_N = 8192
+MAX_BLOCK_N_FP64 = 4096
+MAX_WARPS = 16
+# Rows beyond this count share programs in the forward (the grid itself is cheap up to here).
+FWD_MAX_PROGRAMS = 65536
+# The backward's total threads across programs (~ what an H100/H200 keeps resident, 132 SMs x 2048):
+# enough programs to fill the GPU, few enough that the [programs, n] partials stay a few MB.
+BWD_PROGRAM_THREADS = 1 << 18
+
+def _compute_dtype(dtype: torch.dtype):
+    return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+def config(n: int, dtype: torch.dtype) -> tuple[int, int, bool]:
+    """``(BLOCK_N, num_warps, single_block)`` for rows of width ``n`` in ``dtype``; rows never enter."""
+    cap = MAX_BLOCK_N_FP64 if dtype == torch.float64 else MAX_BLOCK_N
+    block = min(triton.next_power_of_2(max(n, 1)), cap)
+    per_thread = max(1, 16 // dtype.itemsize)
+    warps = max(1, min(MAX_WARPS, block // per_thread // 32))
+    return block, warps, n <= block
+
+
+def backward_rows_per_program(rows: int, n: int, dtype: torch.dtype) -> int:
+    """The dweight row block: a function of the shape and dtype only."""
+    _, warps, _ = config(n, dtype)
+    programs = max(1, BWD_PROGRAM_THREADS // (32 * warps))
+    return max(1, -(-rows // programs))
+
+
+def _ptr(t, fallback):
+    return fallback if t is None else t
+
+
+def _stride(t):
+    return 0 if t is None else t.stride(0)
+
+
+def forward_params(x, residual, weight, eps, cast_hf, round_first, y, residual_out, rstd):
+    """``(grid, args, meta)`` of the forward launch (also what the ahead-of-time compile test
+    compiles); None-tensors are replaced by valid unused pointers, their strides by 0."""
+    rows, n = x.shape
+    assert x.stride(1) == 1 and y.stride(1) == 1 and weight.is_contiguous()
+    assert residual_out is None or residual is not None
+    block, warps, single = config(n, x.dtype)
+    rows_per_prog = -(-rows // FWD_MAX_PROGRAMS)
+    grid = (-(-rows // rows_per_prog),)
+    args = (
+        x, _ptr(residual, x), weight, y, _ptr(residual_out, y), _ptr(rstd, weight),
+        x.stride(0), _stride(residual), y.stride(0), _stride(residual_out),
+        rows, n, float(eps),
+    )
+    meta = dict(
+        ROWS_PER_PROG=rows_per_prog,
+        BLOCK_N=block,
+        SINGLE_BLOCK=single,
+        HAS_RESIDUAL=residual is not None,
+        HAS_RESIDUAL_OUT=residual_out is not None,
+        ROUND_FIRST=bool(round_first) and residual is not None,
+        CAST_HF=bool(cast_hf),
+        STORE_RSTD=rstd is not None,
+        CD=_compute_dtype(x.dtype),
+        num_warps=warps,
+    )
+    return grid, args, meta
+
+
+def _rows(t):
+    """[rows, n] view of a tensor whose leading dims collapse to one row stride (ops.py checks)."""
+    return t if t is None or t.dim() == 2 else t.view(-1, t.shape[-1])
+
+
+def empty_output(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A fresh contiguous output of ``like``'s shape on its device."""
+    return torch.empty(like.shape, dtype=dtype, device=like.device)
+
+
+def forward(x, residual, weight, eps, cast_hf, round_first, y, residual_out, rstd) -> None:
+    """y = weight * s * rsqrt(mean(s^2) + eps), s = x (+ residual); residual_out = s; rstd saved.
+
+    Tensors of any leading shape whose rows have one stride (the interface of ``dsnorm.cpu``);
+    launched as 2-D.
+    """
+    forward_2d(_rows(x), _rows(residual), weight, eps, cast_hf, round_first, _rows(y), _rows(residual_out),
+               None if rstd is None else rstd.view(-1))
+
+
+def forward_2d(x, residual, weight, eps, cast_hf, round_first, y, residual_out, rstd) -> None:
+    """``forward`` on 2-D tensors.
+
+    x, y: [rows, n] (y may be x); residual, residual_out: [rows, n] or None (residual_out may be
+    residual); weight: [n] in the compute dtype; rstd: [rows] in the compute dtype or None.
+    """
+    rows, n = x.shape
+    if rows == 0 or n == 0:
+        return
+    grid, args, meta = forward_params(x, residual, weight, eps, cast_hf, round_first, y, residual_out, rstd)
+    kernels.rms_norm_fwd_kernel[grid](*args, **meta)
+
+
+def backward_params(dy, x, residual, weight, rstd, dresidual_out, round_first, dx, dresidual, partials):
+    """``(grid, args, meta)`` of the backward launch; ``partials`` is the [programs, n] scratch
+    (see ``backward_partials``)."""
+    rows, n = x.shape
+    assert (residual is None) == (dresidual is None)
+    assert dresidual_out is None or residual is not None
+    block, warps, single = config(n, x.dtype)
+    rows_per_prog = backward_rows_per_program(rows, n, x.dtype)
+    assert partials.shape == (-(-rows // rows_per_prog), n) and partials.is_contiguous()
+    args = (
+        dy, x, _ptr(residual, x), weight, rstd, _ptr(dresidual_out, dy), dx, _ptr(dresidual, dx), partials,
+        dy.stride(0), x.stride(0), _stride(residual), _stride(dresidual_out), dx.stride(0), _stride(dresidual),
+        rows, n,
+    )
+    meta = dict(
+        ROWS_PER_PROG=rows_per_prog,
+        BLOCK_N=block,
+        SINGLE_BLOCK=single,
+        HAS_RESIDUAL=residual is not None,
+        HAS_DRO=dresidual_out is not None,
+        ROUND_FIRST=bool(round_first) and residual is not None,
+        CD=_compute_dtype(x.dtype),
+        num_warps=warps,
+    )
+    return (partials.shape[0],), args, meta
+
+
+def backward_partials(x) -> torch.Tensor:
+    """The dweight partials buffer, [programs, n] in the compute dtype. The multi-block path
+    accumulates into its row, so it is zeroed there."""
+    rows, n = x.shape
+    programs = -(-rows // backward_rows_per_program(rows, n, x.dtype))
+    cdtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    alloc = torch.empty if config(n, x.dtype)[2] else torch.zeros
+    return alloc((programs, n), dtype=cdtype, device=x.device)
+
+
+def backward(dy, x, residual, weight, rstd, dresidual_out, round_first, dx, dresidual, dweight) -> None:
+    """``backward_2d`` for tensors of any leading shape whose rows have one stride."""
+    backward_2d(_rows(dy), _rows(x), _rows(residual), weight, rstd.reshape(-1), _rows(dresidual_out),
+                round_first, _rows(dx), _rows(dresidual), dweight)
+
+
+def backward_2d(dy, x, residual, weight, rstd, dresidual_out, round_first, dx, dresidual, dweight) -> None:
+    """Gradients of ``forward``: dx (x.dtype), dresidual (residual's dtype), dweight ([n], written).
+
+    ds = rstd * (g - xhat * mean(g * xhat)) + dresidual_out, g = dy * weight, xhat = s * rstd;
+    dweight = sum over rows of dy * xhat: per-program partials over fixed row blocks, then one
+    ``torch.sum`` over the partials (a fixed-shape reduction, deterministic).
+    """
+    rows, n = x.shape
+    if n == 0:
+        return
+    if rows == 0:
+        dweight.zero_()
+        return
+    partials = backward_partials(x)
+    grid, args, meta = backward_params(dy, x, residual, weight, rstd, dresidual_out, round_first, dx, dresidual,
+                                       partials)
+    kernels.rms_norm_bwd_kernel[grid](*args, **meta)
+    if dweight.dtype == partials.dtype:
+        torch.sum(partials, dim=0, out=dweight)
+    else:
+        dweight.copy_(partials.sum(dim=0))

@@ -1,0 +1,120 @@
+"""Backward on CPU: gradcheck of dsnorm's own kernels in fp64, fp32 against fp64, determinism."""
+
+import pytest
+import torch
+
+import dsnorm
+from dsnorm.ref import rms_norm_backward_ref
+
+from conftest import bits_equal
+
+
+def _rand(shape, dtype=torch.float64, seed=0):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.mark.parametrize("width", [1, 7, 111, 512])
+def test_gradcheck_plain(width):
+    x = _rand((3, width), seed=1).requires_grad_()
+    w = _rand((width,), seed=2).requires_grad_()
+    assert torch.autograd.gradcheck(lambda a, b: dsnorm.rms_norm(a, b), (x, w))
+
+
+@pytest.mark.parametrize("rounding", ["fp32_sum", "round_first"])
+@pytest.mark.parametrize("use", ["y", "residual", "both"])
+def test_gradcheck_fused(rounding, use):
+    x = _rand((2, 3, 33), seed=3).requires_grad_()
+    r = _rand((2, 3, 33), seed=4).requires_grad_()
+    w = _rand((33,), seed=5).requires_grad_()
+
+    def f(a, b, c):
+        y, res = dsnorm.fused_add_rms_norm(a, b, c, residual_rounding=rounding)
+        return {"y": (y,), "residual": (res,), "both": (y, res)}[use]
+
+    assert torch.autograd.gradcheck(f, (x, r, w))
+
+
+def test_gradcheck_strided_input():
+    base = _rand((4, 40), seed=6)
+    x = base[:, :33].clone().requires_grad_()
+    w = _rand((33,), seed=7).requires_grad_()
+    assert torch.autograd.gradcheck(lambda a, b: dsnorm.rms_norm(a[::2], b), (x, w))
+
+
+def _normwise(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("shape", [(64, 7168), (4, 1536), (17, 769)])
+def test_fp32_gradients_match_fp64(shape):
+    x, r, w = _rand(shape, torch.float32, 8), _rand(shape, torch.float32, 9), _rand(shape[-1:], torch.float32, 10)
+    dy, dres_out = _rand(shape, torch.float32, 11), _rand(shape, torch.float32, 12)
+    xs, rs, ws = (t.clone().requires_grad_() for t in (x, r, w))
+    y, res = dsnorm.fused_add_rms_norm(xs, rs, ws)
+    torch.autograd.backward((y, res), (dy, dres_out))
+    ds_ref, dw_ref = rms_norm_backward_ref(dy, x.double() + r.double(), w)
+    ds_ref = ds_ref + dres_out.double()
+    assert _normwise(xs.grad, ds_ref) < 1e-5
+    assert _normwise(rs.grad, ds_ref) < 1e-5
+    assert _normwise(ws.grad, dw_ref) < 1e-5
+
+
+def test_bf16_gradients_dtypes_and_values():
+    x, r = _rand((8, 512), torch.bfloat16, 13), _rand((8, 512), torch.bfloat16, 14)
+    w = _rand((512,), torch.float32, 15)
+    xs, rs, ws = x.clone().requires_grad_(), r.clone().requires_grad_(), w.clone().requires_grad_()
+    y, res = dsnorm.fused_add_rms_norm(xs, rs, ws)
+    dy = _rand((8, 512), torch.bfloat16, 16)
+    y.backward(dy)
+    assert xs.grad.dtype == rs.grad.dtype == torch.bfloat16 and ws.grad.dtype == torch.float32
+    ds_ref, dw_ref = rms_norm_backward_ref(dy, x.double() + r.double(), w)
+    torch.testing.assert_close(xs.grad.double(), ds_ref, rtol=1e-2, atol=1e-2)
+    assert _normwise(ws.grad, dw_ref) < 1e-5
+
+
+def test_fp32_residual_stream_gradient_dtype():
+    x = _rand((4, 64), torch.bfloat16, 17).requires_grad_()
+    r = _rand((4, 64), torch.float32, 18).requires_grad_()
+    y, res = dsnorm.fused_add_rms_norm(x, r, torch.ones(64), residual_dtype=torch.float32)
+    (y.float().sum() + res.sum()).backward()
+    assert x.grad.dtype == torch.bfloat16 and r.grad.dtype == torch.float32
+
+
+def test_low_precision_weight_gradient_comes_back_in_its_dtype():
+    x = _rand((4, 64), torch.float32, 19)
+    w = _rand((64,), torch.bfloat16, 20).requires_grad_()
+    dsnorm.rms_norm(x, w).sum().backward()
+    assert w.grad.dtype == torch.bfloat16
+
+
+def test_dweight_deterministic_across_runs_and_threads(threads):
+    x, w = _rand((1000, 1536), torch.float32, 21), _rand((1536,), torch.float32, 22)
+    dy = _rand((1000, 1536), torch.float32, 23)
+    grads = []
+    for nthreads in (2, 1, 2):
+        torch.set_num_threads(nthreads)
+        ws = w.clone().requires_grad_()
+        xs = x.clone().requires_grad_()
+        dsnorm.rms_norm(xs, ws).backward(dy)
+        grads.append((xs.grad, ws.grad))
+    for dx, dw in grads[1:]:
+        assert bits_equal(dx, grads[0][0]) and bits_equal(dw, grads[0][1])
+
+
+def test_module_training_step():
+    torch.manual_seed(0)
+    m = dsnorm.RMSNorm(256)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    x, r = torch.randn(4, 3, 256), torch.randn(4, 3, 256)
+    y, res = m(x, r)
+    (y.square().mean() + res.mean()).backward()
+    assert m.weight.grad is not None and m.weight.grad.abs().sum() > 0
+    before = m.weight.detach().clone()
+    opt.step()
+    assert not torch.equal(before, m.weight)
+
+
+def test_inplace_form_refuses_grad():
+    x = torch.randn(2, 8, requires_grad=True)
+    with pytest.raises(RuntimeError, match="no gradient"):
+        dsnorm.fused_add_rms_norm_(x, torch.randn(2, 8), torch.ones(8))

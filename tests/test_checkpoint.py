@@ -1,0 +1,424 @@
+"""dsnorm count / count_norms / load_norms on tiny synthetic checkpoints written here."""
+
+import builtins
+import json
+import os
+import struct
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import dsnorm
+from dsnorm import cli
+from dsnorm.checkpoint import (
+    CheckpointError,
+    classify,
+    count_norms,
+    load_norms,
+    read_header,
+    resolve_checkpoint,
+)
+from dsnorm.sites import config_from_dict, enumerate_sites
+
+# A tiny V3.2-shaped model: 3 blocks (1 dense), widths 16 / 8 / 4, indexer keys of 4, one MTP layer.
+HF_CFG = {"hidden_size": 16, "num_hidden_layers": 3, "first_k_dense_replace": 1, "q_lora_rank": 8,
+          "kv_lora_rank": 4, "index_head_dim": 4, "num_nextn_predict_layers": 1, "rms_norm_eps": 1e-6,
+          "n_routed_experts": 4}
+REF_CFG = {"dim": 16, "n_layers": 3, "n_dense_layers": 1, "q_lora_rank": 8, "kv_lora_rank": 4, "index_head_dim": 4}
+
+# Written out by hand (not from the catalogue) so that the naming itself is under test.
+HF_MAIN = (["model.norm.weight"] + [f"model.layers.{i}.{s}.weight" for i in range(3) for s in (
+    "input_layernorm", "post_attention_layernorm", "self_attn.q_a_layernorm", "self_attn.kv_a_layernorm")])
+HF_K_NORM = [f"model.layers.{i}.self_attn.indexer.k_norm.{p}" for i in range(4) for p in ("weight", "bias")]
+HF_MTP = [f"model.layers.3.{s}.weight" for s in ("enorm", "hnorm", "shared_head.norm", "input_layernorm",
+                                                  "post_attention_layernorm", "self_attn.q_a_layernorm",
+                                                  "self_attn.kv_a_layernorm")]
+REF_ALL = (["norm.weight"] + [f"layers.{i}.{s}.weight" for i in range(3) for s in (
+    "attn_norm", "ffn_norm", "attn.q_norm", "attn.kv_norm")]
+    + [f"layers.{i}.attn.indexer.k_norm.{p}" for i in range(3) for p in ("weight", "bias")])
+WIDTH = {"q_a_layernorm": 8, "q_norm": 8, "kv_a_layernorm": 4, "kv_norm": 4, "k_norm": 4}
+
+
+def width(name):
+    module = name.rsplit(".", 2)[-2]
+    return WIDTH.get(module, 16)
+
+
+def tensors(names, seed=0, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    out = {n: (1 + 0.3 * torch.randn(width(n), generator=g)).to(dtype) for n in names}
+    # Non-norm tensors must be ignored (and never read).
+    out["model.embed_tokens.weight" if names[0].startswith("model.") else "embed.weight"] = torch.zeros(5, 16, dtype=dtype)
+    return out
+
+
+def hf_checkpoint(d, names=None, cfg=HF_CFG, **kw):
+    os.makedirs(d, exist_ok=True)
+    t = tensors(names or HF_MAIN + HF_K_NORM + HF_MTP, **kw)
+    save_file(t, os.path.join(d, "model.safetensors"))
+    if cfg is not None:
+        with open(os.path.join(d, "config.json"), "w") as f:
+            json.dump(cfg, f)
+    return t
+
+
+def ref_checkpoint(d, mp=2, names=REF_ALL, drop=None):
+    os.makedirs(d, exist_ok=True)
+    t = tensors(names)
+    for r in range(mp):
+        shard = {k: v for k, v in t.items() if not (drop and drop == (r, k))}
+        save_file(shard, os.path.join(d, f"model{r}-mp{mp}.safetensors"))
+    return t
+
+
+def kinds(rep):
+    return sorted((m["kind"], m["tensor"]) for m in rep.mismatches)
+
+
+def test_hand_written_names_match_the_catalogue():
+    cfg = config_from_dict(HF_CFG)
+    hf = {f"{s.hf_path}.{t}" for s in enumerate_sites(cfg) for t in s.tensors}
+    assert hf == set(HF_MAIN + HF_K_NORM + HF_MTP)
+    ref = {f"{s.ref_path}.{t}" for s in enumerate_sites(config_from_dict(REF_CFG), mtp=False) for t in s.tensors}
+    assert ref == set(REF_ALL)
+    assert classify("model.layers.3.shared_head.norm.weight") == ("huggingface", "shared_head.norm", 3, "weight")
+    assert classify("layers.2.attn.q_norm.weight") == ("reference", "q_norm", 2, "weight")
+    assert classify("model.layers.0.mlp.gate.weight") is None
+
+
+def test_hf_checkpoint_with_mtp_matches(tmp_path):
+    hf_checkpoint(tmp_path)
+    rep = count_norms(tmp_path)
+    assert rep.ok, rep.mismatches
+    assert rep.naming == "huggingface" and rep.config_source.endswith("config.json")
+    rows = {r["site"]: r for r in rep.sites}
+    assert rows["q_norm"]["found_instances"] == 3 and rows["q_norm"]["shapes"] == ["[8]"]
+    assert rows["q_norm"]["dtypes"] == ["BF16"] and rows["q_norm"]["params"] == 24
+    assert rows["mtp.enorm"]["found_instances"] == 1 and rows["mtp.shared_head.norm"]["found_instances"] == 1
+    assert rows["mtp.attn_norm"]["found_instances"] == 1
+    assert rows["k_norm"]["norm_type"] == "layernorm" and rows["k_norm"]["params"] == 3 * 8
+    t = rep.totals
+    assert t["rmsnorm_instances_found"] == 13 and t["rmsnorm_params_found"] == 3 * (16 + 16 + 8 + 4) + 16
+    assert t["mtp_instances_found"] == 8
+
+
+def test_counting_reads_headers_only(tmp_path, monkeypatch):
+    hf_checkpoint(tmp_path)
+    shard = tmp_path / "model.safetensors"
+    header_end = 8 + struct.unpack("<Q", shard.read_bytes()[:8])[0]
+    read = []
+    real_open = builtins.open
+
+    class Tracking:
+        def __init__(self, f):
+            self.f = f
+
+        def read(self, n=-1):
+            data = self.f.read(n)
+            read.append((self.f.tell(), len(data)))
+            return data
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            self.f.close()
+
+    def tracking_open(path, *a, **k):
+        f = real_open(path, *a, **k)
+        return Tracking(f) if str(path).endswith(".safetensors") else f
+
+    monkeypatch.setattr("dsnorm.checkpoint.open", tracking_open, raising=False)
+    assert count_norms(tmp_path).ok
+    assert read and max(end for end, _ in read) <= header_end
+
+
+def test_reference_model_parallel_checkpoint_counts_replicas_once(tmp_path):
+    ref_checkpoint(tmp_path, mp=2)
+    cfg = tmp_path.parent / "ref_cfg.json"
+    cfg.write_text(json.dumps(REF_CFG))
+    rep = count_norms(tmp_path, str(cfg))
+    assert rep.ok, rep.mismatches
+    assert rep.layout == "model-parallel" and rep.mp_size == 2 and rep.naming == "reference"
+    assert rep.totals["norm_tensors_read"] == 2 * len(REF_ALL) and rep.totals["norm_tensors_distinct"] == len(REF_ALL)
+    rows = {r["site"]: r for r in rep.sites}
+    assert rows["attn_norm"]["found_instances"] == 3 and rows["norm"]["found_instances"] == 1
+    assert not any(r["group"] == "mtp" for r in rep.sites)  # no MTP layer expected in a reference conversion
+
+
+def test_reference_checkpoint_problems(tmp_path):
+    cfg = tmp_path / "ref_cfg.json"
+    cfg.write_text(json.dumps(REF_CFG))
+    # A norm missing from one model-parallel shard, an MTP-like extra layer, a missing rank.
+    d = tmp_path / "a"
+    ref_checkpoint(d, mp=3, names=REF_ALL + ["layers.3.attn_norm.weight"], drop=(1, "layers.1.ffn_norm.weight"))
+    os.remove(d / "model2-mp3.safetensors")
+    rep = count_norms(d, str(cfg))
+    assert not rep.ok
+    k = kinds(rep)
+    assert ("missing_replica", "layers.1.ffn_norm.weight") in k
+    assert ("extra", "layers.3.attn_norm.weight") in k
+    assert ("missing_shard", None) in k
+
+
+def test_sharded_with_index(tmp_path):
+    t = tensors(HF_MAIN + HF_K_NORM + HF_MTP)
+    names = sorted(t)
+    a, b = names[: len(names) // 2], names[len(names) // 2:]
+    save_file({n: t[n] for n in a}, str(tmp_path / "model-00001-of-00002.safetensors"))
+    save_file({n: t[n] for n in b}, str(tmp_path / "model-00002-of-00002.safetensors"))
+    wm = {n: "model-00001-of-00002.safetensors" for n in a} | {n: "model-00002-of-00002.safetensors" for n in b}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wm}))
+    (tmp_path / "config.json").write_text(json.dumps(HF_CFG))
+    for path in (tmp_path, tmp_path / "model.safetensors.index.json"):
+        rep = count_norms(path)
+        assert rep.ok, rep.mismatches
+        assert rep.layout == "index" and len(rep.files) == 2
+    # The index disagreeing with a shard is a mismatch naming the tensor.
+    wm["model.norm.weight"] = "model-00001-of-00002.safetensors" if "model.norm.weight" in b else "model-00002-of-00002.safetensors"
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": wm}))
+    assert ("index_mismatch", "model.norm.weight") in kinds(count_norms(tmp_path))
+
+
+def test_bad_index_files(tmp_path):
+    hf_checkpoint(tmp_path)
+    idx = tmp_path / "x.safetensors.index.json"
+    idx.write_text(json.dumps({"weight_map": {"model.norm.weight": "../elsewhere.safetensors"}}))
+    with pytest.raises(CheckpointError, match="outside the checkpoint directory"):
+        count_norms(idx)
+    idx.write_text(json.dumps({"weight_map": {"model.norm.weight": "absent.safetensors"}}))
+    with pytest.raises(CheckpointError, match="do not exist"):
+        count_norms(idx)
+    idx.write_text("[]")
+    with pytest.raises(CheckpointError, match="no 'weight_map'"):
+        count_norms(idx)
+    with pytest.raises(CheckpointError, match="no such file"):
+        count_norms(tmp_path / "nothing")
+
+
+def test_missing_norm(tmp_path, capsys):
+    names = [n for n in HF_MAIN + HF_K_NORM + HF_MTP if n != "model.layers.1.self_attn.kv_a_layernorm.weight"]
+    hf_checkpoint(tmp_path, names)
+    rep = count_norms(tmp_path)
+    assert kinds(rep) == [("missing", "model.layers.1.self_attn.kv_a_layernorm.weight")]
+    rows = {r["site"]: r for r in rep.sites}
+    assert rows["kv_norm"]["found_instances"] == 2 and rows["kv_norm"]["mismatches"] == 1
+    assert cli.main(["count", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "missing: model.layers.1.self_attn.kv_a_layernorm.weight" in out and "MISMATCH" in out
+
+
+def test_missing_mtp_layer_and_extra_layer(tmp_path):
+    hf_checkpoint(tmp_path / "a", HF_MAIN + HF_K_NORM)
+    rep = count_norms(tmp_path / "a")
+    # HF_K_NORM includes the MTP block's indexer LayerNorm (layer 3): only the MTP RMSNorms are missing.
+    assert {m["tensor"] for m in rep.mismatches if m["kind"] == "missing"} == set(HF_MTP)
+    assert not any(m["kind"] == "extra" for m in rep.mismatches)
+    hf_checkpoint(tmp_path / "b", HF_MAIN + HF_K_NORM + HF_MTP + ["model.layers.4.enorm.weight", "model.layers.0.foo_norm.weight"])
+    k = kinds(count_norms(tmp_path / "b"))
+    assert k == [("extra", "model.layers.0.foo_norm.weight"), ("extra", "model.layers.4.enorm.weight")]
+
+
+def test_wrong_shape(tmp_path, capsys):
+    t = hf_checkpoint(tmp_path)
+    t["model.layers.2.input_layernorm.weight"] = torch.ones(15, dtype=torch.bfloat16)
+    save_file(t, str(tmp_path / "model.safetensors"))
+    rep = count_norms(tmp_path)
+    assert kinds(rep) == [("shape", "model.layers.2.input_layernorm.weight")]
+    assert "shape [15], expected [16]" in rep.mismatches[0]["detail"]
+    assert cli.main(["count", str(tmp_path), "--json", "-"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert data["ok"] is False and data["mismatches"][0]["tensor"] == "model.layers.2.input_layernorm.weight"
+
+
+def test_expectation_sources(tmp_path, capsys):
+    # No config.json beside the file: --config, else the built-in 671B default.
+    hf_checkpoint(tmp_path, cfg=None)
+    cfg = tmp_path.parent / "hf_cfg.json"
+    cfg.write_text(json.dumps(HF_CFG))
+    assert count_norms(tmp_path / "model.safetensors", str(cfg)).ok
+    assert cli.main(["count", str(tmp_path / "model.safetensors"), "--config", str(cfg)]) == 0
+    capsys.readouterr()
+    rep = count_norms(tmp_path)
+    assert not rep.ok and "built-in config_671B_v3.2.json" in rep.config_source
+    assert ("shape", "model.norm.weight") in kinds(rep)
+    jpath = tmp_path.parent / "report.json"
+    assert cli.main(["count", str(tmp_path), "--json", str(jpath)]) == 1
+    data = json.loads(jpath.read_text())
+    assert data["config"]["dim"] == 7168 and data["totals"]["rmsnorm_instances_expected"] == 245
+
+
+def _write_raw(path, header_bytes, data=b"", length=None):
+    n = len(header_bytes) if length is None else length
+    path.write_bytes(struct.pack("<Q", n) + header_bytes + data)
+    return path
+
+
+def _header(entries):
+    return json.dumps(entries).encode()
+
+
+@pytest.mark.parametrize("case, match", [
+    ("short", "too short"),
+    ("huge_length", "exceeds the"),
+    ("length_past_end", "runs past the end"),
+    ("bad_utf8", "not valid UTF-8"),
+    ("bad_json", "not valid JSON"),
+    ("deep_json", "nested too deeply|not valid JSON"),
+    ("not_object", "not an object"),
+    ("duplicate", "duplicate key"),
+    ("bad_offsets", "data_offsets"),
+    ("offsets_past_end", "run past"),
+    ("size_mismatch", "needs 32 bytes"),
+    ("overlap", "overlap"),
+    ("bad_shape", "shape"),
+])
+def test_hostile_headers(tmp_path, case, match):
+    p = tmp_path / "model.safetensors"
+    norm = {"dtype": "F32", "shape": [8], "data_offsets": [0, 32]}
+    if case == "short":
+        p.write_bytes(b"\x01\x02")
+    elif case == "huge_length":
+        _write_raw(p, b"{}", length=2**63)
+    elif case == "length_past_end":
+        _write_raw(p, b"{}", length=4096)
+    elif case == "bad_utf8":
+        _write_raw(p, b'{"\xff": 1}')
+    elif case == "bad_json":
+        _write_raw(p, b'{"model.norm.weight": ')
+    elif case == "deep_json":
+        _write_raw(p, b"[" * 100000 + b"]" * 100000)
+    elif case == "not_object":
+        _write_raw(p, b"[1, 2]")
+    elif case == "duplicate":
+        _write_raw(p, b'{"model.norm.weight": %s, "model.norm.weight": %s}' % (_header(norm), _header(norm)), b"\0" * 32)
+    elif case == "bad_offsets":
+        _write_raw(p, _header({"model.norm.weight": {**norm, "data_offsets": [32, 0]}}), b"\0" * 32)
+    elif case == "offsets_past_end":
+        _write_raw(p, _header({"model.norm.weight": {**norm, "data_offsets": [0, 10**15]}}), b"\0" * 32)
+    elif case == "size_mismatch":
+        _write_raw(p, _header({"model.norm.weight": {**norm, "data_offsets": [0, 16]}}), b"\0" * 32)
+    elif case == "overlap":
+        _write_raw(p, _header({"model.norm.weight": norm, "model.layers.0.input_layernorm.weight": {
+            **norm, "data_offsets": [16, 48]}}), b"\0" * 48)
+    elif case == "bad_shape":
+        _write_raw(p, _header({"model.norm.weight": {**norm, "shape": [-8]}}), b"\0" * 32)
+    with pytest.raises(CheckpointError, match=match) as e:
+        read_header(p)
+    assert str(p) in str(e.value)
+
+
+def test_truncated_file(tmp_path, capsys):
+    hf_checkpoint(tmp_path)
+    p = tmp_path / "model.safetensors"
+    raw = p.read_bytes()
+    p.write_bytes(raw[:-10])
+    with pytest.raises(CheckpointError, match="truncated") as e:
+        count_norms(tmp_path)
+    assert "model.safetensors" in str(e.value)
+    assert cli.main(["count", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "dsnorm count: error:" in err and "model.safetensors" in err
+
+
+def test_hostile_header_via_cli(tmp_path, capsys):
+    _write_raw(tmp_path / "evil.safetensors", b"{}", length=2**40)
+    assert cli.main(["count", str(tmp_path / "evil.safetensors")]) == 2
+    assert "exceeds the" in capsys.readouterr().err
+
+
+def test_reader_agrees_with_safetensors(tmp_path):
+    from safetensors import safe_open
+
+    hf_checkpoint(tmp_path)
+    h = read_header(tmp_path / "model.safetensors")
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        assert set(f.keys()) == set(h.tensors)
+        for k in f.keys():
+            assert list(f.get_slice(k).get_shape()) == list(h.tensors[k].shape)
+    assert resolve_checkpoint(tmp_path / "model.safetensors").layout == "file"
+
+
+# ---------------------------------------------------------------------------------------------------
+# load_norms
+
+class _Attn(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q_norm = dsnorm.RMSNorm(8)
+        self.kv_norm = dsnorm.RMSNorm(4)
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = _Attn()
+        self.attn_norm = dsnorm.RMSNorm(16)
+        self.ffn_norm = dsnorm.RMSNorm(16)
+
+
+class _RefModel(torch.nn.Module):
+    """The reference module tree (norms only): layers.{i}.attn_norm, ..., norm."""
+
+    def __init__(self, n=3):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_Block() for _ in range(n))
+        self.norm = dsnorm.RMSNorm(16)
+
+
+def _norm_weights(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("naming", ["reference", "huggingface"])
+def test_load_norms_exact(tmp_path, naming):
+    if naming == "reference":
+        t = ref_checkpoint(tmp_path, mp=2)
+    else:
+        t = hf_checkpoint(tmp_path)
+    model = _RefModel()
+    rep = load_norms(model, tmp_path)
+    assert len(rep.loaded) == 13 and rep.naming == naming
+    w = model.layers[1].attn.q_norm.weight
+    assert w.dtype == torch.float32
+    src = t["layers.1.attn.q_norm.weight" if naming == "reference" else "model.layers.1.self_attn.q_a_layernorm.weight"]
+    assert torch.equal(w, src.float())  # bf16 -> fp32 is exact
+    assert torch.equal(model.norm.weight, t["norm.weight" if naming == "reference" else "model.norm.weight"].float())
+    if naming == "huggingface":
+        assert "model.layers.3.enorm.weight" in rep.unused  # MTP norms have no module here
+    assert "loaded 13 norm gain(s)" in str(rep)
+
+
+def test_load_norms_fp16_and_fp32(tmp_path):
+    for dtype in (torch.float16, torch.float32):
+        t = hf_checkpoint(tmp_path / str(dtype), dtype=dtype)
+        model = _RefModel()
+        load_norms(model, tmp_path / str(dtype))
+        assert torch.equal(model.layers[2].ffn_norm.weight, t["model.layers.2.post_attention_layernorm.weight"].float())
+
+
+def test_load_norms_all_or_nothing(tmp_path):
+    t = hf_checkpoint(tmp_path / "shape")
+    t["model.layers.2.self_attn.q_a_layernorm.weight"] = torch.ones(7, dtype=torch.bfloat16)
+    save_file(t, str(tmp_path / "shape" / "model.safetensors"))
+    model = _RefModel()
+    before = _norm_weights(model)
+    with pytest.raises(ValueError, match=r"(?s)nothing loaded.*layers\.2\.attn\.q_norm.*shape \[7\]") as e:
+        load_norms(model, tmp_path / "shape")
+    assert "model.layers.2.self_attn.q_a_layernorm.weight" in str(e.value)
+    after = _norm_weights(model)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+    hf_checkpoint(tmp_path / "missing", [n for n in HF_MAIN if n != "model.norm.weight"])
+    with pytest.raises(ValueError, match=r"norm: missing \(looked for norm.weight or model.norm.weight\)"):
+        load_norms(model, tmp_path / "missing")
+    assert all(torch.equal(before[k], v) for k, v in _norm_weights(model).items())
+
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        load_norms("not a model", tmp_path / "missing")
+    with pytest.raises(ValueError, match="no dsnorm.RMSNorm"):
+        load_norms(torch.nn.Linear(2, 2), tmp_path / "missing")

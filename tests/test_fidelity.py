@@ -1,0 +1,240 @@
+"""Forward fidelity of the CPU kernels against the in-library reference (dsnorm.ref).
+
+Criteria (core issue): the returned residual is bitwise equal everywhere; y is bitwise equal where
+torch's CPU reduction order is the one dsnorm replays (x86, widths <= 16384), else within 1 ulp
+(bf16/fp16) or 4e-6 relative (fp32).
+"""
+
+import pytest
+import torch
+
+import dsnorm
+from dsnorm.ref import RMSNormRef, fused_add_rms_norm_ref, rms_norm_ref
+
+from conftest import assert_y_close, bits_equal, max_ulp
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+WIDTHS = [1, 7, 8, 111, 512, 769, 1536, 5125, 7168, 16384]
+
+
+def _data(shape, dtype, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) * scale).to(dtype)
+
+
+def _weight(n, seed=1):
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", WIDTHS)
+def test_plain_and_fused_match_reference(dtype, width):
+    rows = 3 if width > 2048 else 17
+    x, r, w = _data((rows, width), dtype, 0), _data((rows, width), dtype, 1), _weight(width)
+    assert_y_close(dsnorm.rms_norm(x, w), rms_norm_ref(x, w), width)
+    y, res = dsnorm.fused_add_rms_norm(x, r, w)
+    y_ref, res_ref = fused_add_rms_norm_ref(x, r, w)
+    assert bits_equal(res, res_ref)
+    assert_y_close(y, y_ref, width)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 7168), (64, 1, 7168), (1, 4096, 7168), (4096, 1536), (2, 3, 5, 512)])
+def test_deepseek_shapes_bitwise(shape):
+    x, r, w = _data(shape, torch.bfloat16, 2), _data(shape, torch.bfloat16, 3), _weight(shape[-1])
+    ref = RMSNormRef(shape[-1])
+    ref.weight.data.copy_(w)
+    mod = dsnorm.RMSNorm(shape[-1])
+    mod.weight.data.copy_(w)
+    with torch.no_grad():
+        assert_y_close(mod(x), ref(x), shape[-1])
+        (y, res), (y_ref, res_ref) = mod(x, r), ref(x, r)
+    assert y.shape == shape and res.shape == shape
+    assert bits_equal(res, res_ref)
+    assert_y_close(y, y_ref, shape[-1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_strided_rows_read_in_place(dtype):
+    # kv_norm reads the first 512 of wkv_a's 576 columns: a strided view, no copy.
+    kv = _data((8, 1, 576), dtype, 4)
+    x = kv[..., :512]
+    assert not x.is_contiguous()
+    w = _weight(512)
+    assert_y_close(dsnorm.rms_norm(x, w), rms_norm_ref(x, w), 512)
+    r = _data((16, 576), dtype, 5)[::2, 64:]  # strided rows and an offset, in the residual too
+    x2 = _data((8, 512), dtype, 6)
+    y, res = dsnorm.fused_add_rms_norm(x2, r, w)
+    y_ref, res_ref = fused_add_rms_norm_ref(x2, r, w)
+    assert bits_equal(res, res_ref) and y.is_contiguous()
+    assert_y_close(y, y_ref, 512)
+
+
+def test_non_unit_inner_stride_and_uncollapsible_rows():
+    base = _data((6, 4, 256), torch.bfloat16, 7)
+    w = _weight(128)
+    for x in (base[:, :, ::2], base[:, ::2, :128].transpose(0, 1)):
+        assert_y_close(dsnorm.rms_norm(x, w), rms_norm_ref(x, w), 128)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cast", ["deepseek", "hf"])
+@pytest.mark.parametrize("rounding", ["fp32_sum", "round_first"])
+def test_options_match_their_eager_formulas(dtype, cast, rounding):
+    x, r, w = _data((9, 769), dtype, 8), _data((9, 769), dtype, 9), _weight(769)
+    assert_y_close(dsnorm.rms_norm(x, w, cast=cast), rms_norm_ref(x, w, cast=cast), 769)
+    y, res = dsnorm.fused_add_rms_norm(x, r, w, cast=cast, residual_rounding=rounding)
+    y_ref, res_ref = fused_add_rms_norm_ref(x, r, w, cast=cast, residual_rounding=rounding)
+    assert bits_equal(res, res_ref)
+    assert_y_close(y, y_ref, 769)
+
+
+def test_round_first_and_hf_differ_from_default():
+    # The options are real: on bf16 data they change some bits (else the tests above prove nothing).
+    x, r, w = _data((64, 7168), torch.bfloat16, 10), _data((64, 7168), torch.bfloat16, 11), _weight(7168)
+    y = dsnorm.fused_add_rms_norm(x, r, w)[0]
+    assert not torch.equal(y, dsnorm.fused_add_rms_norm(x, r, w, residual_rounding="round_first")[0])
+    assert not torch.equal(y, dsnorm.fused_add_rms_norm(x, r, w, cast="hf")[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fp32_residual_stream(dtype):
+    x, w = _data((5, 1536), dtype, 12), _weight(1536)
+    for r in (_data((5, 1536), torch.float32, 13), _data((5, 1536), dtype, 13)):
+        y, res = dsnorm.fused_add_rms_norm(x, r, w, residual_dtype=torch.float32)
+        y_ref, res_ref = fused_add_rms_norm_ref(x, r, w, residual_dtype=torch.float32)
+        assert res.dtype == torch.float32 and bits_equal(res, res_ref)
+        assert_y_close(y, y_ref, 1536)
+
+
+def test_fp64_computed_in_fp64():
+    x, r = _data((4, 1536), torch.float64, 14), _data((4, 1536), torch.float64, 15)
+    w = _weight(1536).double()
+    y, res = dsnorm.fused_add_rms_norm(x, r, w)
+    y_ref, res_ref = fused_add_rms_norm_ref(x, r, w)
+    assert y.dtype == torch.float64 and bits_equal(res, res_ref)
+    torch.testing.assert_close(y, y_ref, rtol=1e-14, atol=0)
+    torch.testing.assert_close(dsnorm.rms_norm(x, w.float()), rms_norm_ref(x, w), rtol=1e-14, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_low_precision_weights_upcast_exactly(dtype):
+    x, w = _data((3, 1536), torch.bfloat16, 16), _weight(1536).to(dtype)
+    # The reference module would hold the same values in fp32.
+    assert bits_equal(dsnorm.rms_norm(x, w), rms_norm_ref(x, w.float()))
+
+
+def test_wide_rows_within_one_ulp(threads):
+    # torch splits a single very wide row across threads, changing its own order: <= 1 ulp there.
+    torch.set_num_threads(2)
+    x, r, w = _data((1, 65536), torch.bfloat16, 17), _data((1, 65536), torch.bfloat16, 18), _weight(65536)
+    y, res = dsnorm.fused_add_rms_norm(x, r, w)
+    y_ref, res_ref = fused_add_rms_norm_ref(x, r, w)
+    assert bits_equal(res, res_ref)
+    assert max_ulp(y, y_ref) <= 1
+    xf = x.float()
+    torch.testing.assert_close(dsnorm.rms_norm(xf, w), rms_norm_ref(xf, w), rtol=4e-6, atol=0)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4096])
+def test_many_and_few_rows(rows):
+    x, r, w = _data((rows, 512), torch.bfloat16, 19), _data((rows, 512), torch.bfloat16, 20), _weight(512)
+    y, res = dsnorm.fused_add_rms_norm(x, r, w)
+    y_ref, res_ref = fused_add_rms_norm_ref(x, r, w)
+    assert bits_equal(res, res_ref)
+    assert_y_close(y, y_ref, 512)
+
+
+def test_batch_invariance(threads):
+    x, r, w = _data((300, 7168), torch.bfloat16, 21), _data((300, 7168), torch.bfloat16, 22), _weight(7168)
+    torch.set_num_threads(2)
+    full_y, full_res = dsnorm.fused_add_rms_norm(x, r, w)
+    full_plain = dsnorm.rms_norm(x, w)
+    for idx in (0, 7, 150, 299):
+        for lo, hi in ((idx, idx + 1), (max(0, idx - 3), idx + 1)):
+            y, res = dsnorm.fused_add_rms_norm(x[lo:hi], r[lo:hi], w)
+            assert bits_equal(y[idx - lo], full_y[idx]) and bits_equal(res[idx - lo], full_res[idx])
+            assert bits_equal(dsnorm.rms_norm(x[lo:hi], w)[idx - lo], full_plain[idx])
+    # a row placed elsewhere in a bigger batch
+    moved = torch.cat([x[150:151], x[:10]])
+    assert bits_equal(dsnorm.rms_norm(moved, w)[0], full_plain[150])
+    torch.set_num_threads(1)
+    y1, res1 = dsnorm.fused_add_rms_norm(x, r, w)
+    assert bits_equal(y1, full_y) and bits_equal(res1, full_res)
+
+
+def test_nan_inf_propagate_and_zero_rows():
+    x = _data((4, 111), torch.bfloat16, 23)
+    x[0, 5] = float("nan")
+    x[1, 7] = float("inf")
+    x[2] = 0
+    w = _weight(111)
+    y, y_ref = dsnorm.rms_norm(x, w), rms_norm_ref(x, w)
+    assert bits_equal(y, y_ref)
+    assert torch.isnan(y[0]).all() and torch.isnan(y[1]).any()
+    assert (y[2] == 0).all() and not torch.isnan(y[2]).any()
+    r = torch.zeros_like(x)
+    r[3, 0] = float("-inf")
+    y, res = dsnorm.fused_add_rms_norm(x, r, w)
+    y_ref, res_ref = fused_add_rms_norm_ref(x, r, w)
+    assert bits_equal(y, y_ref) and bits_equal(res, res_ref)
+
+
+def test_nan_rounds_to_reference_bits():
+    # f32 -> bf16 rounds to nearest even and turns NaN into torch's quiet NaN: payload included.
+    x = torch.tensor([[float("nan"), 1.0, 3.0, 3.3895e38]], dtype=torch.float32)
+    r = torch.tensor([[1.0, 2 ** -9, 2 ** -8 * 3, 3.3895e38]], dtype=torch.float32)
+    xb, rb = x.bfloat16(), r.bfloat16()
+    res, res_ref = dsnorm.fused_add_rms_norm(xb, rb, torch.ones(4))[1], fused_add_rms_norm_ref(xb, rb, torch.ones(4))[1]
+    assert bits_equal(res, res_ref)
+
+
+@pytest.mark.parametrize("shape", [(0, 7168), (2, 0, 512), (0,)])
+def test_empty_inputs(shape):
+    n = shape[-1] if shape[-1] else 4
+    if shape == (0,):
+        with pytest.raises(ValueError, match="x must have a last dimension"):
+            dsnorm.rms_norm(torch.empty(shape), torch.ones(1))
+        return
+    x = torch.empty(shape, dtype=torch.bfloat16)
+    w = torch.ones(n)
+    assert dsnorm.rms_norm(x, w).shape == shape
+    y, res = dsnorm.fused_add_rms_norm(x, x.clone(), w)
+    assert y.shape == shape and res.shape == shape
+    xg = x.float().requires_grad_()
+    dsnorm.rms_norm(xg, w).sum().backward()
+    assert xg.grad.shape == shape
+
+
+def test_fresh_outputs_alias_nothing():
+    x, r, w = _data((64, 7168), torch.bfloat16, 24), _data((64, 7168), torch.bfloat16, 25), _weight(7168)
+    seen = {x.data_ptr(), r.data_ptr()}
+    kept = []
+    for _ in range(3):
+        y, res = dsnorm.fused_add_rms_norm(x, r, w)
+        assert y.data_ptr() not in seen and res.data_ptr() not in seen
+        assert y.untyped_storage().data_ptr() != res.untyped_storage().data_ptr()
+        seen |= {y.data_ptr(), res.data_ptr()}
+        kept.append((y, res))
+    # outputs held by the caller are never rewritten by later calls
+    first = kept[0][0].clone()
+    dsnorm.fused_add_rms_norm(r, x, w)
+    assert torch.equal(kept[0][0], first)
+
+
+def test_hf_cast_matches_transformers_bitwise():
+    modeling = pytest.importorskip("transformers.models.deepseek_v3.modeling_deepseek_v3")
+    hf = modeling.DeepseekV3RMSNorm(1536, eps=1e-6)
+    with torch.no_grad():
+        hf.weight.copy_(_weight(1536))
+    hf = hf.to(torch.bfloat16)  # a model loaded in bf16: its gain is bf16 too
+    ours = dsnorm.RMSNorm(1536, cast="hf")
+    with torch.no_grad():
+        ours.weight.copy_(hf.weight.float())
+    x = _data((4, 2, 1536), torch.bfloat16, 26, scale=3.0)
+    with torch.no_grad():
+        y_hf, y = hf(x), ours(x)
+        assert y_hf.dtype == y.dtype == torch.bfloat16
+        assert bits_equal(y, y_hf)
+        # ...and the default cast differs from Hugging Face's on the same data
+        ours.cast = "deepseek"
+        assert not torch.equal(ours(x), y_hf)

@@ -1,0 +1,249 @@
+"""The torch.library ops (opcheck, fakes, torch.compile), the module contract, import hygiene,
+bad input, the in-place form and concurrency."""
+
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+import dsnorm
+from dsnorm.ref import RMSNormRef, fused_add_rms_norm_ref, rms_norm_ref
+
+from conftest import bits_equal
+
+
+def _rand(shape, dtype=torch.bfloat16, seed=0):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+OP_CASES = {
+    "rms_norm": lambda: (_rand((3, 5, 64)), torch.randn(64), 1e-6, "deepseek"),
+    # The ops are not differentiable on their own (the autograd Functions are): no grad inputs.
+    "rms_norm_fwd": lambda: (_rand((3, 64), torch.float32), torch.randn(64), 1e-6, "hf"),
+    "fused_add_rms_norm": lambda: (_rand((4, 64)), _rand((4, 64), seed=1), torch.randn(64), 1e-6, "deepseek", "fp32_sum", None),
+    "fused_add_rms_norm_fwd": lambda: (
+        _rand((4, 64), torch.float32), _rand((4, 64), torch.float32, 1),
+        torch.randn(64), 1e-6, "deepseek", "round_first", None,
+    ),
+    "fused_add_rms_norm_": lambda: (_rand((4, 64)), _rand((4, 64), torch.float32, 1), torch.randn(64), 1e-6, "deepseek", "fp32_sum"),
+    "rms_norm_bwd": lambda: (_rand((3, 64), torch.float32), _rand((3, 64), torch.float32, 1), torch.randn(64), torch.rand(3) + 0.5),
+    "fused_add_rms_norm_bwd": lambda: (
+        _rand((3, 64)), _rand((3, 64), seed=1), _rand((3, 64), seed=2), torch.randn(64), torch.rand(3) + 0.5,
+        _rand((3, 64), seed=3), "fp32_sum",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OP_CASES))
+def test_opcheck(name):
+    torch.library.opcheck(getattr(torch.ops.dsnorm, name).default, OP_CASES[name]())
+
+
+def test_compile_fullgraph_module_matches_eager():
+    torch._dynamo.reset()
+    m = dsnorm.RMSNorm(512)
+    with torch.no_grad():
+        m.weight.copy_(torch.randn(512))
+    x, r = _rand((2, 3, 512)), _rand((2, 3, 512), seed=1)
+
+    def block(x, r):
+        y, res = m(x, r)
+        return m(y) , res
+
+    compiled = torch.compile(block, fullgraph=True)
+    with torch.no_grad():
+        for a, b in zip(compiled(x, r), block(x, r)):
+            assert bits_equal(a, b)
+    # training through the compiled graph
+    xs = x.float().requires_grad_()
+    xe = x.float().requires_grad_()
+    compiled(xs, r.float())[0].float().sum().backward()
+    block(xe, r.float())[0].float().sum().backward()
+    assert bits_equal(xs.grad, xe.grad)
+
+
+def test_module_is_a_drop_in_for_the_reference():
+    ref = RMSNormRef(1536)
+    with torch.no_grad():
+        ref.weight.copy_(torch.randn(1536))
+    ours = dsnorm.RMSNorm(1536)
+    assert list(ours.state_dict()) == list(ref.state_dict()) == ["weight"]
+    assert ours.weight.dtype == torch.float32 and torch.equal(dsnorm.RMSNorm(8).weight, torch.ones(8))
+    ours.load_state_dict(ref.state_dict())
+    assert ours.dim == 1536 and ours.eps == 1e-6
+    x, r = _rand((2, 1, 1536)), _rand((2, 1, 1536), seed=4)
+    with torch.no_grad():
+        assert bits_equal(ours(x), ref(x))
+        out, out_ref = ours(x, r), ref(x, r)
+    assert isinstance(out, tuple) and len(out) == 2
+    assert all(bits_equal(a, b) for a, b in zip(out, out_ref))
+    assert "1536" in repr(ours)
+
+
+def test_import_does_no_device_or_compiler_work():
+    code = (
+        "import sys, dsnorm; "
+        "bad = [m for m in ('numba', 'triton', 'dsnorm.cpu', 'dsnorm.triton') if m in sys.modules]; "
+        "import torch; assert not torch.cuda.is_initialized(); print(bad)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input: a clear error naming the argument; nothing modified.
+
+X = _rand((2, 8))
+W = torch.ones(8)
+
+
+@pytest.mark.parametrize(
+    "call, exc, match",
+    [
+        (lambda: dsnorm.rms_norm(X, torch.ones(7)), ValueError, r"weight must have shape \(8,\)"),
+        (lambda: dsnorm.rms_norm(X, torch.ones(2, 8)), ValueError, "weight must have shape"),
+        (lambda: dsnorm.rms_norm(X, torch.ones(8, device="meta")), ValueError, "weight must be on x's device"),
+        (lambda: dsnorm.rms_norm(torch.ones(2, 8, dtype=torch.int32), W), TypeError, "x must be float32"),
+        (lambda: dsnorm.rms_norm(torch.ones(2, 8, dtype=torch.complex64), W), TypeError, "x must be float32"),
+        (lambda: dsnorm.rms_norm(X, torch.ones(8, dtype=torch.int64)), TypeError, "weight must be float32"),
+        (lambda: dsnorm.rms_norm(X.tolist(), W), TypeError, "x must be a torch.Tensor"),
+        (lambda: dsnorm.rms_norm(torch.tensor(1.0), torch.ones(1)), ValueError, "x must have at least one dimension"),
+        (lambda: dsnorm.rms_norm(X, W, eps=0.0), ValueError, "eps must be a finite number > 0"),
+        (lambda: dsnorm.rms_norm(X, W, eps=float("nan")), ValueError, "eps must be"),
+        (lambda: dsnorm.rms_norm(X, W, eps=-1e-6), ValueError, "eps must be"),
+        (lambda: dsnorm.rms_norm(X, W, cast="vllm"), ValueError, "cast must be one of"),
+        (lambda: dsnorm.fused_add_rms_norm(X, _rand((2, 9)), W), ValueError, "residual must have x's shape"),
+        (lambda: dsnorm.fused_add_rms_norm(X, _rand((2, 8), torch.float16), W), TypeError, "residual must be torch.bfloat16"),
+        (lambda: dsnorm.fused_add_rms_norm(X, _rand((2, 8), torch.float32), W), TypeError, "residual_dtype=torch.float32"),
+        (lambda: dsnorm.fused_add_rms_norm(X, torch.ones(2, 8, dtype=torch.bfloat16, device="meta"), W), ValueError, "residual must be on x's device"),
+        (lambda: dsnorm.fused_add_rms_norm(X, X, W, residual_rounding="fp16"), ValueError, "residual_rounding must be one of"),
+        (lambda: dsnorm.fused_add_rms_norm(X, X, W, residual_dtype=torch.float16), ValueError, "residual_dtype must be None"),
+        (lambda: dsnorm.fused_add_rms_norm(X, X, W, residual_rounding="round_first", residual_dtype=torch.float32), ValueError, "contradictory"),
+        (lambda: dsnorm.fused_add_rms_norm(X, None, W), TypeError, "residual must be a torch.Tensor"),
+        (lambda: dsnorm.RMSNorm(0), ValueError, "dim must be an int >= 1"),
+        (lambda: dsnorm.RMSNorm(8, cast="HF"), ValueError, "cast must be one of"),
+        (lambda: dsnorm.RMSNorm(8, eps=0), ValueError, "eps must be"),
+    ],
+)
+def test_bad_input_names_the_argument(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call()
+
+
+@pytest.mark.parametrize(
+    "make, exc, match",
+    [
+        (lambda x, r: (x, r[:, :7], torch.ones(8)), ValueError, "residual must have x's shape"),
+        (lambda x, r: (x, r, torch.ones(9)), ValueError, "weight must have shape"),
+        (lambda x, r: (x, r.half(), torch.ones(8)), TypeError, "residual must be"),
+        (lambda x, r: (x, x, torch.ones(8)), ValueError, "must not share memory"),
+        (lambda x, r: (x[:, ::2], r[:, ::2], torch.ones(4)), ValueError, "unit-stride rows"),
+        (lambda x, r: (x, r, torch.ones(8)), ValueError, "eps must be"),
+    ],
+)
+def test_inplace_errors_leave_inputs_untouched(make, exc, match):
+    x, r = _rand((4, 8), seed=5), _rand((4, 8), seed=6)
+    x0, r0 = x.clone(), r.clone()
+    args = make(x, r)
+    eps = 0.0 if match == "eps must be" else 1e-6
+    with pytest.raises(exc, match=match):
+        dsnorm.fused_add_rms_norm_(*args, eps=eps)
+    assert torch.equal(x, x0) and torch.equal(r, r0)
+
+
+def test_inplace_residual_dtype_must_match_the_buffer():
+    x, r = _rand((4, 8)), _rand((4, 8), seed=1)
+    x0 = x.clone()
+    with pytest.raises(TypeError, match="residual must be a torch.float32 buffer"):
+        dsnorm.fused_add_rms_norm_(x, r, W, residual_dtype=torch.float32)
+    assert torch.equal(x, x0)
+
+
+# ---------------------------------------------------------------------------------------------
+# In place.
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("rounding", ["fp32_sum", "round_first"])
+def test_inplace_matches_out_of_place(dtype, rounding):
+    x, r, w = _rand((64, 7168), dtype, 7), _rand((64, 7168), dtype, 8), torch.randn(7168)
+    y_ref, res_ref = fused_add_rms_norm_ref(x, r, w, residual_rounding=rounding)
+    xi, ri = x.clone(), r.clone()
+    out = dsnorm.fused_add_rms_norm_(xi, ri, w, residual_rounding=rounding)
+    assert out[0] is xi and out[1] is ri
+    assert bits_equal(ri, res_ref) and bits_equal(xi, y_ref)
+
+
+def test_inplace_fp32_stream_and_strided_rows():
+    base_x, base_r = _rand((6, 576), seed=9), _rand((6, 576), torch.float32, 10)
+    x, r = base_x[:, :512], base_r[:, 64:]
+    w = torch.randn(512)
+    y_ref, res_ref = fused_add_rms_norm_ref(x, r, w, residual_dtype=torch.float32)
+    untouched_x, untouched_r = base_x[:, 512:].clone(), base_r[:, :64].clone()
+    v0 = x._version
+    dsnorm.fused_add_rms_norm_(x, r, w, residual_dtype=torch.float32)
+    assert r.dtype == torch.float32 and bits_equal(r, res_ref) and bits_equal(x, y_ref)
+    assert torch.equal(base_x[:, 512:], untouched_x) and torch.equal(base_r[:, :64], untouched_r)
+    assert x._version > v0  # autograd's saved-tensor checks see the write
+
+
+def test_inplace_through_the_op_under_a_mode():
+    # Under a dispatch mode the public function goes through torch.ops (not the direct path).
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    x, r = _rand((3, 64)), _rand((3, 64), seed=1)
+    y_ref, res_ref = fused_add_rms_norm_ref(x, r, torch.ones(64))
+    with Record():
+        dsnorm.fused_add_rms_norm_(x, r, torch.ones(64))
+        dsnorm.rms_norm(x, torch.ones(64))
+    assert "dsnorm.fused_add_rms_norm_.default" in seen and "dsnorm.rms_norm.default" in seen
+    assert bits_equal(x, y_ref) and bits_equal(r, res_ref)
+
+
+# ---------------------------------------------------------------------------------------------
+# Threads.
+
+
+def test_thread_count_follows_torch(threads):
+    x = _rand((256, 1536))
+    torch.set_num_threads(1)
+    y1 = dsnorm.rms_norm(x, torch.ones(1536))
+    assert torch.get_num_threads() == 1  # starting numba's pool did not reset torch's setting
+    torch.set_num_threads(2)
+    assert bits_equal(dsnorm.rms_norm(x, torch.ones(1536)), y1)
+    assert torch.get_num_threads() == 2
+
+
+def test_concurrent_calls_from_python_threads():
+    shapes = [(64, 7168), (1, 1536), (300, 512), (8, 7168)]
+    inputs = [(_rand(s, seed=i), _rand(s, seed=i + 10), torch.randn(s[-1])) for i, s in enumerate(shapes)]
+    expected = [fused_add_rms_norm_ref(*a) for a in inputs]
+    errors = []
+
+    def work(k):
+        try:
+            for _ in range(20):
+                i = k % len(inputs)
+                y, res = dsnorm.fused_add_rms_norm(*inputs[i])
+                if not (bits_equal(y, expected[i][0]) and bits_equal(res, expected[i][1])):
+                    errors.append(f"thread {k}: wrong result")
+                xs = inputs[i][0].float().requires_grad_()
+                dsnorm.rms_norm(xs, inputs[i][2]).sum().backward()
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append(f"thread {k}: {e!r}")
+
+    workers = [threading.Thread(target=work, args=(k,)) for k in range(6)]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join()
+    assert not errors, errors

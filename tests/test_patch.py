@@ -1,0 +1,202 @@
+"""dsnorm.patch on HF, reference and torch norms; bitwise-identical logits of a tiny bf16 DeepseekV3."""
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import save_file
+from torch import nn
+
+import dsnorm
+from dsnorm.checkpoint import load_norms
+from dsnorm.patching import PatchReport, patch
+from dsnorm.ref import RMSNormRef
+
+
+def tiny_deepseek_v3(seed=0):
+    torch.manual_seed(seed)
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=97, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+        first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+        q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64, rms_norm_eps=1e-5,
+    )
+    model = transformers.DeepseekV3ForCausalLM(cfg).to(torch.bfloat16).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        # Random gains so that a wrong cast or a lost weight shows in the logits.
+        for name, mod in model.named_modules():
+            if type(mod).__name__ == "DeepseekV3RMSNorm":
+                mod.weight.copy_((1 + 0.5 * torch.randn(mod.weight.shape, generator=g)).to(mod.weight.dtype))
+    return model
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(3))
+
+
+def test_tiny_deepseek_v3_bf16_logits_bitwise(ids):
+    model = tiny_deepseek_v3()
+    before = logits(model, ids)
+    gains = {n: m.weight.detach().clone() for n, m in model.named_modules() if type(m).__name__ == "DeepseekV3RMSNorm"}
+    assert len(gains) == 3 * 4 + 1
+    rep = patch(model)
+    assert isinstance(rep, PatchReport)
+    assert sorted(e.name for e in rep.replaced) == sorted(gains) and not rep.left
+    assert {e.cast for e in rep.replaced} == {"hf"}
+    eps = {e.name: e.eps for e in rep.replaced}
+    assert eps["model.norm"] == 1e-5 and eps["model.layers.0.self_attn.kv_a_layernorm"] == 1e-6
+    for name, w in gains.items():
+        new = model.get_submodule(name)
+        assert isinstance(new, dsnorm.RMSNorm) and new.weight.dtype == torch.float32
+        assert new.weight.device == w.device and torch.equal(new.weight, w.float())
+    assert before.dtype == torch.bfloat16
+    assert torch.equal(logits(model, ids), before)
+    assert "replaced 13 norm(s), left 0" in str(rep)
+
+
+def test_the_logit_check_can_fail(ids):
+    # The same swap with the reference cast order changes the bf16 logits: the test above is not vacuous.
+    model = tiny_deepseek_v3()
+    before = logits(model, ids)
+    for name, mod in list(model.named_modules()):
+        if type(mod).__name__ == "DeepseekV3RMSNorm":
+            new = dsnorm.RMSNorm(mod.weight.shape[0], mod.variance_epsilon, cast="deepseek")
+            with torch.no_grad():
+                new.weight.copy_(mod.weight.float())
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, new)
+    assert not torch.equal(logits(model, ids), before)
+
+
+def test_patch_then_load_norms_from_hf_checkpoint(tmp_path, ids):
+    model = tiny_deepseek_v3()
+    before = logits(model, ids)
+    norms = {k: v.contiguous() for k, v in model.state_dict().items() if "layernorm" in k or k == "model.norm.weight"}
+    save_file(norms, str(tmp_path / "model.safetensors"))
+    patch(model)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, dsnorm.RMSNorm):
+                m.weight.fill_(1.0)
+    assert not torch.equal(logits(model, ids), before)
+    rep = load_norms(model, tmp_path)
+    assert len(rep.loaded) == 13 and rep.naming == "huggingface"
+    assert torch.equal(logits(model, ids), before)
+
+
+class RMSNorm(RMSNormRef):
+    """The reference class under its reference name (inference/model.py's ``RMSNorm``)."""
+
+
+@pytest.mark.parametrize("cls", [RMSNorm, RMSNormRef])
+def test_reference_class_becomes_deepseek_cast(cls):
+    g = torch.Generator().manual_seed(5)
+    holder = nn.ModuleDict({"a": cls(96, eps=1e-6), "b": cls(40, eps=1e-3)})
+    with torch.no_grad():
+        for m in holder.values():
+            m.weight.copy_(1 + 0.3 * torch.randn(m.weight.shape, generator=g))
+    old = {k: v for k, v in holder.items()}
+    rep = patch(holder)
+    assert [(e.name, e.cast, e.eps) for e in rep.replaced] == [("a", "deepseek", 1e-6), ("b", "deepseek", 1e-3)]
+    for k in ("a", "b"):
+        new = holder[k]
+        assert isinstance(new, dsnorm.RMSNorm) and torch.equal(new.weight, old[k].weight)
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            x = torch.randn(3, 5, new.dim, generator=g).to(dtype)
+            r = torch.randn(3, 5, new.dim, generator=g).to(dtype)
+            assert torch.equal(new(x), old[k](x))
+            y, res = new(x, r)
+            y0, res0 = old[k](x, r)
+            assert torch.equal(y, y0) and torch.equal(res, res0)
+
+
+@pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")
+@pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("eps", [None, 1e-6])
+def test_torch_rmsnorm_on_cpu(wdtype, eps):
+    g = torch.Generator().manual_seed(7)
+    holder = nn.Sequential(nn.RMSNorm(80, eps=eps, dtype=wdtype))
+    with torch.no_grad():
+        holder[0].weight.copy_(1 + 0.3 * torch.randn(80, generator=g))
+    old = holder[0]
+    rep = patch(holder)
+    assert len(rep.replaced) == 1 and rep.replaced[0].cast == "deepseek"
+    assert rep.replaced[0].eps == (torch.finfo(torch.float32).eps if eps is None else eps)
+    for dtype in (torch.bfloat16, torch.float32, wdtype):
+        # Small values make eps matter, so a wrong eps for eps=None would show.
+        x = (torch.randn(4, 7, 80, generator=g) * 1e-3).to(dtype)
+        assert torch.equal(holder[0](x), old(x))
+
+
+def test_left_alone_with_reasons():
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+
+    class OffsetRMSNorm(nn.Module):
+        """A (1 + w) norm that looks Llama-like by its attributes: only the probe can tell."""
+
+        def __init__(self, d):
+            super().__init__()
+            self.weight = nn.Parameter(torch.zeros(d))
+            self.variance_epsilon = 1e-6
+
+        def forward(self, x):
+            xf = x.float()
+            xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+            return ((1.0 + self.weight.float()) * xf).to(x.dtype)
+
+    class MyRMSNorm(nn.Module):
+        def __init__(self, d):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(d))
+
+        def forward(self, x):
+            return x * self.weight
+
+    model = nn.ModuleDict({
+        "gemma": GemmaRMSNorm(32),
+        "no_weight": nn.RMSNorm(32, elementwise_affine=False),
+        "two_d": nn.RMSNorm((4, 8)),
+        "offset": OffsetRMSNorm(32),
+        "unknown": MyRMSNorm(32),
+        "done": dsnorm.RMSNorm(32),
+        "linear": nn.Linear(4, 4),
+    })
+    before = {k: v for k, v in model.items()}
+    rep = patch(model)
+    assert not rep.replaced
+    why = {e.name: e.reason for e in rep.left}
+    assert set(why) == {"gemma", "no_weight", "two_d", "offset", "unknown", "done"}
+    assert "(1 + weight)" in why["gemma"]
+    assert "no weight" in why["no_weight"]
+    assert "several axes" in why["two_d"]
+    assert "probe" in why["offset"] and "differs" in why["offset"]
+    assert "unrecognised" in why["unknown"]
+    assert "already" in why["done"]
+    assert all(model[k] is v for k, v in before.items())
+
+
+def test_hf_llama_norm_and_shared_modules():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    norm = LlamaRMSNorm(48, eps=1e-5).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(0.5, 1.5, 48))
+    model = nn.Module()
+    model.a = norm
+    model.b = norm  # one module under two names stays one module
+    rep = patch(model)
+    assert [e.name for e in rep.replaced] == ["a", "b"] and model.a is model.b
+    assert isinstance(model.a, dsnorm.RMSNorm) and model.a.cast == "hf" and model.a.eps == 1e-5
+    x = torch.randn(6, 48, dtype=torch.bfloat16)
+    assert torch.equal(model.a(x), norm(x))
+
+
+def test_patch_rejects_non_modules():
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        patch([nn.RMSNorm(4)])

@@ -1,0 +1,197 @@
+"""The site catalogue: counts for the 671B default, both config namings, the CLI."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dsnorm import cli
+from dsnorm.sites import (
+    DEFAULT_CONFIG_NAME,
+    config_from_dict,
+    default_config_path,
+    enumerate_sites,
+    load_config,
+    render_page,
+    resolve_site,
+    summarise,
+    totals,
+)
+
+# The Hugging Face config.json of DeepSeek-V3.2-Exp, norm-relevant fields (same model as the default).
+HF_671B = {
+    "hidden_size": 7168, "num_hidden_layers": 61, "first_k_dense_replace": 3, "q_lora_rank": 1536,
+    "kv_lora_rank": 512, "num_nextn_predict_layers": 1, "rms_norm_eps": 1e-6, "index_head_dim": 128,
+    "n_routed_experts": 256, "moe_layer_freq": 1, "model_type": "deepseek_v32",
+}
+
+
+def test_default_config_is_the_shipped_671b_file():
+    with open(default_config_path()) as f:
+        raw = json.load(f)
+    assert raw["dim"] == 7168 and raw["n_layers"] == 61 and raw["n_dense_layers"] == 3
+    assert raw["q_lora_rank"] == 1536 and raw["kv_lora_rank"] == 512 and raw["index_head_dim"] == 128
+    cfg = load_config()
+    assert cfg.format == "reference" and DEFAULT_CONFIG_NAME in cfg.source
+    assert (cfg.dim, cfg.n_layers, cfg.n_dense_layers, cfg.q_lora_rank, cfg.kv_lora_rank) == (7168, 61, 3, 1536, 512)
+
+
+def test_671b_totals_match_the_issue():
+    cfg = load_config()
+    sites = enumerate_sites(cfg)
+    rows = {r.key: r for r in summarise(sites)}
+    assert rows["norm"].params == 7_168 and rows["norm"].instances == 1
+    q = rows["q_norm"]
+    assert q.per_instance == 1_536 and q.moe == 58 and q.dense == 3
+    assert q.per_instance * q.moe == 89_088 and q.params == 93_696
+    t = totals(cfg, sites)
+    assert t["params"] == 61 * (7_168 + 7_168 + 1_536 + 512) + 7_168 == 1_006_592
+    assert t["instances"] == 245
+    assert t["formula"] == "61 × (7,168 + 7,168 + 1,536 + 512) + 7,168 = 1,006,592"
+    # The indexer LayerNorm is named but kept out of the RMSNorm totals.
+    assert rows["k_norm"].norm_type == "layernorm" and rows["k_norm"].per_instance == 256
+    assert t["layernorm_instances"] == 61
+    # The MTP layer is listed separately: enorm, hnorm, shared_head.norm and its block's 4 RMSNorms.
+    mtp = [s for s in sites if s.group == "mtp"]
+    assert {s.hf_path for s in mtp if s.norm_type == "rmsnorm"} == {
+        "model.layers.61.enorm", "model.layers.61.hnorm", "model.layers.61.shared_head.norm",
+        "model.layers.61.input_layernorm", "model.layers.61.post_attention_layernorm",
+        "model.layers.61.self_attn.q_a_layernorm", "model.layers.61.self_attn.kv_a_layernorm",
+    }
+    assert all(s.ref_path is None for s in mtp)
+    assert t["mtp_rmsnorm_instances"] == 7 and t["mtp_rmsnorm_params"] == 4 * 7168 + 7168 + 1536 + 512
+
+
+def test_site_paths_kinds_and_forms():
+    sites = enumerate_sites(load_config(), mtp=False)
+    by_ref = {s.ref_path: s for s in sites}
+    s = by_ref["layers.0.attn_norm"]
+    assert s.hf_path == "model.layers.0.input_layernorm" and s.block == "dense" and s.form == "plain"
+    s = by_ref["layers.3.attn_norm"]
+    assert s.block == "moe" and s.form == "fused"
+    assert by_ref["layers.2.ffn_norm"].hf_path == "model.layers.2.post_attention_layernorm"
+    assert by_ref["layers.2.ffn_norm"].block == "dense" and by_ref["layers.2.ffn_norm"].form == "fused"
+    s = by_ref["layers.60.attn.q_norm"]
+    assert s.hf_path == "model.layers.60.self_attn.q_a_layernorm" and s.width == 1536 and s.form == "plain"
+    assert by_ref["layers.7.attn.kv_norm"].hf_path == "model.layers.7.self_attn.kv_a_layernorm"
+    assert by_ref["layers.7.attn.kv_norm"].width == 512
+    assert by_ref["norm"].hf_path == "model.norm" and by_ref["norm"].form == "fused" and by_ref["norm"].block is None
+    assert by_ref["layers.5.attn.indexer.k_norm"].tensors == ("weight", "bias")
+    assert by_ref["norm"].to_dict()["input_shape"] == ["B", "T", 7168]
+
+
+def test_hf_config_gives_the_same_main_sites():
+    ref = enumerate_sites(load_config())
+    hf = enumerate_sites(config_from_dict(HF_671B, "hf"))
+    assert [(s.key, s.hf_path, s.width, s.block, s.form) for s in hf] == [
+        (s.key, s.hf_path, s.width, s.block, s.form) for s in ref]
+    assert totals(config_from_dict(HF_671B))["params"] == 1_006_592
+
+
+def test_hf_config_fields_change_the_sites():
+    cfg = config_from_dict({**HF_671B, "num_hidden_layers": 4, "first_k_dense_replace": 1, "q_lora_rank": None,
+                            "num_nextn_predict_layers": 2, "hidden_size": 256, "rms_norm_eps": 1e-5})
+    sites = enumerate_sites(cfg)
+    assert not any(s.key == "q_norm" for s in sites)  # no query latent: no q_norm (V2-Lite style)
+    assert sum(1 for s in sites if s.key == "mtp.enorm") == 2
+    assert {s.layer for s in sites if s.group == "mtp"} == {4, 5}
+    t = totals(cfg, sites)
+    assert t["params"] == 4 * (256 + 256 + 512) + 256 and t["instances"] == 4 * 3 + 1
+    assert t["dense_blocks"] == 1 and t["moe_blocks"] == 3
+    assert next(s for s in sites if s.key == "attn_norm").eps == 1e-5
+    assert next(s for s in sites if s.key == "kv_norm").eps == 1e-6  # HF's latent norms use the default eps
+
+
+@pytest.mark.parametrize("bad, msg", [
+    ({"vocab_size": 10}, "neither reference"),
+    ({"dim": 64, "hidden_size": 64}, "mixes"),
+    ({"dim": 64}, "'n_layers' is missing"),
+    ({"dim": "64", "n_layers": 2}, "must be an integer"),
+    ({"dim": 64, "n_layers": True}, "must be an integer"),
+    ({"dim": 64, "n_layers": 2, "n_dense_layers": 3}, "more than the 2 layers"),
+    ({"dim": 0, "n_layers": 2}, "outside"),
+    ({"hidden_size": 64, "num_hidden_layers": 2, "kv_lora_rank": 8, "rms_norm_eps": "x"}, "rms_norm_eps"),
+    ({"dim": 64, "n_layers": 10**9}, "outside"),
+])
+def test_bad_configs_are_refused(bad, msg):
+    with pytest.raises(ValueError, match=msg):
+        config_from_dict(bad, "cfg.json")
+
+
+def test_bad_config_files(tmp_path):
+    with pytest.raises(TypeError, match="JSON object"):
+        config_from_dict([1, 2])
+    p = tmp_path / "c.json"
+    p.write_text("{not json")
+    with pytest.raises(ValueError, match=r"c\.json.*not valid JSON"):
+        load_config(p)
+    with pytest.raises(ValueError, match="cannot read"):
+        load_config(tmp_path / "absent.json")
+
+
+def test_site_names_resolve():
+    cfg = load_config()
+    for name in ("q_norm", "q_a_layernorm", "layers.4.attn.q_norm", "model.layers.4.self_attn.q_a_layernorm",
+                 "model.layers.{i}.self_attn.q_a_layernorm"):
+        assert resolve_site(name, cfg) == "q_norm"
+    assert resolve_site("enorm", cfg) == "mtp.enorm"
+    assert resolve_site("model.norm", cfg) == "norm"
+    with pytest.raises(ValueError, match="unknown site 'w_norm'"):
+        resolve_site("w_norm", cfg)
+
+
+def test_q_norm_page():
+    page = render_page(load_config(), "q_norm")
+    for text in ("Query latent RMSNorm", "layers.{i}.attn.q_norm", "model.layers.{i}.self_attn.q_a_layernorm",
+                 "d = 1,536", "ε = 1e-06", "in:  x [B batch, T positions, 1,536]", "decode (one position): [B, 1, 1,536]",
+                 "× 58 MoE blocks", "89,088", "× 61 blocks", "93,696", "wq_a", "Where it sits"):
+        assert text in page, text
+    fused = render_page(load_config(), "attn_norm")
+    assert "s       = x + residual" in fused and "residual_out" in fused and "1 instance sees no residual" in fused
+    assert "LayerNorm" in render_page(load_config(), "k_norm")
+
+
+def test_cli_default_totals(capsys):
+    assert cli.main(["sites"]) == 0
+    out = capsys.readouterr().out
+    assert "final norm: 7,168" in out
+    assert "× 58 MoE blocks = 89,088" in out and "× 61 blocks = 93,696" in out
+    assert "61 × (7,168 + 7,168 + 1,536 + 512) + 7,168 = 1,006,592 in 245 instances" in out
+    assert "model.layers.61.enorm" in out and "model.layers.61.shared_head.norm" in out
+    assert "LayerNorm (weight + bias)" in out
+
+
+def test_cli_markdown_json_site_and_config(tmp_path, capsys):
+    assert cli.main(["sites", "--markdown"]) == 0
+    out = capsys.readouterr().out
+    assert "| site | reference path |" in out and "| q_norm | layers.{i}.attn.q_norm |" in out
+    jpath = tmp_path / "sites.json"
+    assert cli.main(["sites", "--json", str(jpath)]) == 0
+    data = json.loads(jpath.read_text())
+    assert data["totals"]["params"] == 1_006_592 and data["totals"]["instances"] == 245
+    assert len([s for s in data["sites"] if s["group"] == "main" and s["norm_type"] == "rmsnorm"]) == 245
+    capsys.readouterr()
+    assert cli.main(["sites", "--json", "-"]) == 0
+    assert json.loads(capsys.readouterr().out)["config"]["dim"] == 7168
+    assert cli.main(["sites", "--site", "q_norm"]) == 0
+    assert "89,088" in capsys.readouterr().out
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({**HF_671B, "num_hidden_layers": 2, "first_k_dense_replace": 1, "hidden_size": 64,
+                               "q_lora_rank": 32, "kv_lora_rank": 16}))
+    assert cli.main(["sites", "--config", str(cfg)]) == 0
+    assert "2 × (64 + 64 + 32 + 16) + 64 = 416 in 9 instances" in capsys.readouterr().out
+    assert cli.main(["sites", "--site", "nope"]) == 2
+    assert "unknown site 'nope'" in capsys.readouterr().err
+    assert cli.main(["sites", "--config", str(tmp_path / "missing.json")]) == 2
+    assert "missing.json" in capsys.readouterr().err
+
+
+def test_cli_subprocess():
+    env = dict(os.environ)
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
+    p = subprocess.run([sys.executable, "-m", "dsnorm.cli", "sites"], capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "= 1,006,592 in 245 instances" in p.stdout

@@ -1,0 +1,503 @@
+"""The Triton kernels run through Triton's interpreter on CPU tensors, against ``dsnorm.ref``.
+
+How the interpreter gets switched on: ``TRITON_INTERPRET`` is read when a function is *decorated*
+by ``@triton.jit`` (Triton 3.9: ``triton.jit`` checks ``knobs.runtime.interpret``), not when it is
+launched, and Triton's own library (``tl.standard``) is decorated when ``triton`` is first
+imported. So:
+
+* if nothing imported ``triton`` yet, this module sets ``TRITON_INTERPRET=1`` before importing it,
+  for the rest of the process (Triton's library is then interpreted, and so is every kernel
+  decorated later: run GPU tests in a separate pytest process, or let them be collected first);
+* if ``triton`` was already imported compiled (a GPU test module collected earlier), only
+  ``dsnorm.triton.kernels`` is reloaded under the variable, which is then restored, and the module
+  is reloaded compiled again after these tests. That works because the kernels call nothing from
+  Triton's jit library (their row sum uses their own combine function).
+
+The interpreter differs from the GPU in the order of its sums (numpy's, not a warp tree) and in
+nothing else these kernels use: the criteria are the GPU's (residual bitwise, y within one ulp),
+not loosened ones.
+"""
+
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+_PRIOR_INTERPRET = os.environ.get("TRITON_INTERPRET")
+_TRITON_PREIMPORTED = "triton" in sys.modules
+os.environ["TRITON_INTERPRET"] = "1"
+triton = pytest.importorskip("triton", reason="triton is not installed (the GPU extra: pip install dsnorm[gpu])")
+import triton.language as tl  # noqa: E402
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+from dsnorm.triton import kernels, launch  # noqa: E402
+
+if not isinstance(kernels.rms_norm_fwd_kernel, InterpretedFunction):
+    kernels = importlib.reload(kernels)
+
+
+@triton.jit
+def _bf16_convert_kernel(F32_IN, BF16_OUT, F32_ROUNDED, BF16_IN, F32_WIDE, n, BLOCK: tl.constexpr):
+    # F32_IN: fp32 values to round; BF16_OUT / F32_ROUNDED: _narrow's bf16 and _round_to's fp32 of
+    # them; BF16_IN: bf16 patterns to widen into F32_WIDE; n: elements; BLOCK: elements per program.
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    v = tl.load(F32_IN + offs, mask=mask, other=0.0)
+    tl.store(BF16_OUT + offs, kernels._narrow(v, tl.bfloat16), mask=mask)
+    tl.store(F32_ROUNDED + offs, kernels._round_to(v, tl.bfloat16, tl.float32), mask=mask)
+    h = tl.load(BF16_IN + offs, mask=mask, other=0.0)
+    tl.store(F32_WIDE + offs, kernels._widen(h, tl.float32), mask=mask)
+
+
+if _TRITON_PREIMPORTED:
+    if _PRIOR_INTERPRET is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = _PRIOR_INTERPRET
+
+from dsnorm.ref import fused_add_rms_norm_ref, rms_norm_backward_ref, rms_norm_ref  # noqa: E402
+
+EPS = 1e-6
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _interpreted_kernels():
+    assert isinstance(kernels.rms_norm_fwd_kernel, InterpretedFunction), "kernels are not interpreted"
+    yield
+    if _TRITON_PREIMPORTED:
+        importlib.reload(kernels)  # compiled again for whatever runs next
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers.
+
+
+def _ordered(t: torch.Tensor) -> torch.Tensor:
+    """Float bits mapped to integers that count ulps (sign-magnitude -> two's complement order)."""
+    if t.dtype == torch.float32:
+        bits = t.view(torch.int32).to(torch.int64)
+        mag = bits & 0x7FFFFFFF
+    else:
+        bits = t.view(torch.int16).to(torch.int64)
+        mag = bits & 0x7FFF
+    return torch.where(bits < 0, -mag, mag)
+
+
+def max_ulp(a: torch.Tensor, b: torch.Tensor) -> int:
+    assert a.dtype == b.dtype and a.shape == b.shape
+    assert torch.equal(a.isnan(), b.isnan()), "NaN positions differ"
+    keep = ~a.isnan()
+    if not keep.any():
+        return 0
+    return int((_ordered(a[keep]) - _ordered(b[keep])).abs().max())
+
+
+def assert_close_y(y: torch.Tensor, ref: torch.Tensor):
+    """bf16/fp16: within one ulp of the reference; fp32: within 4e-6 relative, elementwise."""
+    if y.dtype == torch.float32:
+        assert torch.equal(y.isnan(), ref.isnan())
+        keep = ~ref.isnan()
+        err = (y[keep] - ref[keep]).abs()
+        assert bool((err <= 4e-6 * ref[keep].abs()).all()), f"max rel err {(err / ref[keep].abs()).max()}"
+    elif y.dtype == torch.float64:
+        torch.testing.assert_close(y, ref, rtol=1e-14, atol=0)
+    else:
+        assert max_ulp(y, ref) <= 1
+
+
+def assert_bitwise(a: torch.Tensor, b: torch.Tensor):
+    """Same bits, except that a NaN only has to be a NaN: its payload is not specified (torch's
+    CPU bf16 conversion gives 0xFFFF vectorised and 0x7FC0 scalar, CUDA 0x7FFF; ours 0x7FC0)."""
+    assert a.dtype == b.dtype and a.shape == b.shape
+    nan = a.isnan()
+    assert torch.equal(nan, b.isnan()), "NaN positions differ"
+    a, b = a.masked_fill(nan, 0), b.masked_fill(nan, 0)
+    assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def rows_of(rows: int, n: int, dtype, gen, stride: int | None = None, scale: float = 1.0) -> torch.Tensor:
+    """A [rows, n] tensor; with ``stride`` a slice of wider rows (the 512-of-576 layout)."""
+    width = n if stride is None else stride
+    full = (torch.randn(rows, width, generator=gen, dtype=torch.float64) * scale).to(dtype)
+    return full[:, :n]
+
+
+def weight_of(n: int, gen, dtype=torch.float32) -> torch.Tensor:
+    return (1.0 + 0.25 * torch.randn(n, generator=gen, dtype=torch.float64)).to(dtype)
+
+
+def ref_rstd(s: torch.Tensor) -> torch.Tensor:
+    return torch.rsqrt(s.pow(2).mean(-1) + EPS)
+
+
+# Widths: n=1, odd, DeepSeek's three (512 as the strided 512-of-576 slice). Few rows: every
+# interpreted launch costs tens of milliseconds.
+SHAPES = [(3, 1, None), (3, 111, None), (2, 512, 576), (2, 1536, None), (2, 7168, None)]
+
+
+# ---------------------------------------------------------------------------------------------
+# The bf16 conversions.
+
+
+def test_bf16_conversions_exact():
+    # Every bf16 pattern as the kept half, with the dropped half at the interesting points: exact,
+    # tie (both parities of the kept half), just below and above a tie, the smallest nonzero.
+    hi = torch.arange(1 << 16, dtype=torch.int64) << 16
+    lows = torch.tensor([0x0000, 0x8000, 0x7FFF, 0x8001, 0x0001, 0xFFFF], dtype=torch.int64)
+    patterns = (hi[:, None] | lows[None, :]).flatten()
+    f32 = patterns.to(torch.int32).view(torch.float32).contiguous()  # int64 -> int32 wraps the sign bit
+    n = f32.numel()
+    bf16_in = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    bf16_in = bf16_in.repeat(n // (1 << 16))
+    out = torch.empty(n, dtype=torch.bfloat16)
+    rounded = torch.empty(n, dtype=torch.float32)
+    wide = torch.empty(n, dtype=torch.float32)
+    block = 1 << 16
+    _bf16_convert_kernel[(triton.cdiv(n, block),)](f32, out, rounded, bf16_in, wide, n, BLOCK=block)
+
+    expect = f32.to(torch.bfloat16)
+    nan = f32.isnan()
+    assert int(nan.sum()) > 1000 and bool(f32.isinf().any())
+    assert torch.equal(out[~nan].view(torch.int16), expect[~nan].view(torch.int16))
+    assert bool((out[nan].view(torch.int16) == 0x7FC0).all())
+    assert torch.equal(rounded[~nan].view(torch.int32), expect[~nan].float().view(torch.int32))
+    assert bool(rounded[nan].isnan().all())
+    # Widening is exact for every pattern, subnormals included.
+    ref_wide = bf16_in.float()
+    wnan = ref_wide.isnan()
+    assert torch.equal(wide[~wnan].view(torch.int32), ref_wide[~wnan].view(torch.int32))
+    assert torch.equal(wide[wnan].view(torch.int32), ref_wide[wnan].view(torch.int32))
+    # Spot checks that the set above holds what it claims: the largest finite ties to inf.
+    assert out[f32 == torch.tensor(0x7F7F8000, dtype=torch.int32).view(torch.float32)].float().isinf().all()
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward.
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,n,stride", SHAPES)
+def test_rms_norm_forward(dtype, rows, n, stride):
+    gen = torch.Generator().manual_seed(n * 7 + rows)
+    x = rows_of(rows, n, dtype, gen, stride)
+    w = weight_of(n, gen)
+    for cast in ("deepseek", "hf"):
+        y = torch.empty(rows, n, dtype=dtype)
+        rstd = torch.empty(rows, dtype=torch.float32)
+        launch.forward(x, None, w, EPS, cast == "hf", False, y, None, rstd)
+        assert_close_y(y, rms_norm_ref(x, w, EPS, cast))
+        assert max_ulp(rstd, ref_rstd(x.float())) <= 4
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,n,stride", SHAPES)
+def test_fused_forward(dtype, rows, n, stride):
+    gen = torch.Generator().manual_seed(n * 11 + rows)
+    x = rows_of(rows, n, dtype, gen, stride)
+    w = weight_of(n, gen)
+    for res_dtype in sorted({dtype, torch.float32}, key=str):
+        r = rows_of(rows, n, res_dtype, gen, stride, scale=4.0)
+        for rounding in ("fp32_sum", "round_first"):
+            for cast in ("deepseek", "hf"):
+                y = torch.empty(rows, n, dtype=dtype)
+                ro = torch.empty(rows, n, dtype=res_dtype)
+                rstd = torch.empty(rows, dtype=torch.float32)
+                launch.forward(x, r, w, EPS, cast == "hf", rounding == "round_first", y, ro, rstd)
+                y_ref, ro_ref = fused_add_rms_norm_ref(x, r, w, EPS, cast, rounding, res_dtype)
+                assert_bitwise(ro, ro_ref)
+                assert_close_y(y, y_ref)
+                s = x.float() + r.float()
+                if rounding == "round_first":
+                    s = s.to(dtype).float()
+                assert max_ulp(rstd, ref_rstd(s)) <= 4
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_forward_extremes(dtype):
+    # Sums that overflow x's dtype (residual_out is inf, y still finite for fp32_sum), ties in the
+    # rounding of the sum, a NaN row and an all-zero row.
+    n = 64
+    gen = torch.Generator().manual_seed(5)
+    big = torch.finfo(dtype).max
+    x = rows_of(4, n, dtype, gen)
+    r = rows_of(4, n, dtype, gen)
+    x[0] = big
+    r[0] = big
+    x[1, ::2] = 1.0
+    r[1, ::2] = torch.finfo(dtype).eps * 0.5  # exactly half an ulp of 1: a tie, rounds to even
+    x[2, 3] = float("nan")
+    x[3] = 0.0
+    r[3] = 0.0
+    w = weight_of(n, gen)
+    for rounding in ("fp32_sum", "round_first"):
+        y = torch.empty_like(x)
+        ro = torch.empty_like(r)
+        launch.forward(x, r, w, EPS, False, rounding == "round_first", y, ro, None)
+        y_ref, ro_ref = fused_add_rms_norm_ref(x, r, w, EPS, "deepseek", rounding)
+        assert_bitwise(ro, ro_ref)
+        assert max_ulp(y, y_ref) <= 1
+    assert bool(ro[0].isinf().all()) and bool(y[2].isnan().all()) and bool((y[3] == 0).all())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_forward_in_place(dtype):
+    # y is x and residual_out is residual, both strided 512-of-576 slices of wider rows.
+    rows, n, stride = 3, 512, 576
+    gen = torch.Generator().manual_seed(3)
+    x_parent = rows_of(rows, stride, dtype, gen)
+    r_parent = rows_of(rows, stride, dtype, gen)
+    x, r = x_parent[:, :n], r_parent[:, :n]
+    w = weight_of(n, gen)
+    for rounding in ("fp32_sum", "round_first"):
+        y_ref, ro_ref = fused_add_rms_norm_ref(x, r, w, EPS, "deepseek", rounding)
+        xp, rp = x_parent.clone(), r_parent.clone()
+        xi, ri = xp[:, :n], rp[:, :n]
+        launch.forward(xi, ri, w, EPS, False, rounding == "round_first", xi, ri, None)
+        assert_bitwise(ri, ro_ref)
+        assert_close_y(xi, y_ref)
+        # The wider rows' tail columns are untouched.
+        assert torch.equal(xp[:, n:], x_parent[:, n:]) and torch.equal(rp[:, n:], r_parent[:, n:])
+    xp = x_parent.clone()
+    xi = xp[:, :n]
+    launch.forward(xi, None, w, EPS, False, False, xi, None, None)
+    assert_close_y(xi, rms_norm_ref(x, w, EPS))
+    assert torch.equal(xp[:, n:], x_parent[:, n:])
+
+
+def test_forward_rows_zero():
+    x = torch.empty(0, 7168, dtype=torch.bfloat16)
+    y = torch.empty_like(x)
+    launch.forward(x, x.clone(), weight_of(7168, torch.Generator()), EPS, False, False, y, torch.empty_like(x),
+                   torch.empty(0))
+
+
+@pytest.mark.parametrize("n", [1536, 7168])
+def test_forward_batch_invariant(n):
+    gen = torch.Generator().manual_seed(n)
+    x = rows_of(5, n, torch.bfloat16, gen)
+    r = rows_of(5, n, torch.bfloat16, gen)
+    w = weight_of(n, gen)
+    y, ro, rstd = torch.empty_like(x), torch.empty_like(r), torch.empty(5)
+    launch.forward(x, r, w, EPS, False, False, y, ro, rstd)
+    for i in (0, 4):
+        y1, ro1, rstd1 = torch.empty_like(x[i:i + 1]), torch.empty_like(r[i:i + 1]), torch.empty(1)
+        launch.forward(x[i:i + 1], r[i:i + 1], w, EPS, False, False, y1, ro1, rstd1)
+        assert_bitwise(y1, y[i:i + 1])
+        assert_bitwise(ro1, ro[i:i + 1])
+        assert_bitwise(rstd1, rstd[i:i + 1])
+
+
+def test_forward_fp64():
+    gen = torch.Generator().manual_seed(64)
+    n = 300
+    x = rows_of(3, n, torch.float64, gen)
+    r = rows_of(3, n, torch.float64, gen)
+    w = weight_of(n, gen, torch.float64)
+    y, ro, rstd = torch.empty_like(x), torch.empty_like(r), torch.empty(3, dtype=torch.float64)
+    launch.forward(x, r, w, EPS, False, False, y, ro, rstd)
+    y_ref, ro_ref = fused_add_rms_norm_ref(x, r, w, EPS)
+    assert_bitwise(ro, ro_ref)
+    torch.testing.assert_close(y, y_ref, rtol=1e-14, atol=0)
+    torch.testing.assert_close(rstd, ref_rstd(x + r), rtol=1e-15, atol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rows wider than one block: the two-pass path.
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    """Blocks of 64 columns (and few backward programs), so small rows take the multi-block path
+    and backward programs own several rows."""
+    monkeypatch.setattr(launch, "MAX_BLOCK_N", 64)
+    monkeypatch.setattr(launch, "MAX_BLOCK_N_FP64", 64)
+    monkeypatch.setattr(launch, "BWD_PROGRAM_THREADS", 64)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_multi_block_forward(small_blocks, dtype):
+    rows, n = 3, 200  # 4 blocks, the last one partial
+    assert not launch.config(n, dtype)[2]
+    gen = torch.Generator().manual_seed(200)
+    x = rows_of(rows, n, dtype, gen, 232)
+    r = rows_of(rows, n, torch.float32, gen)
+    w = weight_of(n, gen)
+    for rounding in ("fp32_sum", "round_first"):
+        for cast in ("deepseek", "hf"):
+            y, ro, rstd = torch.empty(rows, n, dtype=dtype), torch.empty_like(r), torch.empty(rows)
+            launch.forward(x, r, w, EPS, cast == "hf", rounding == "round_first", y, ro, rstd)
+            y_ref, ro_ref = fused_add_rms_norm_ref(x, r, w, EPS, cast, rounding, torch.float32)
+            assert_bitwise(ro, ro_ref)
+            assert_close_y(y, y_ref)
+    y_ref, ro_ref = fused_add_rms_norm_ref(x, r.to(dtype), w, EPS)
+    xi, ri = x.clone(), r.to(dtype)
+    launch.forward(xi, ri, w, EPS, False, False, xi, ri, None)
+    assert_bitwise(ri, ro_ref)
+    assert_close_y(xi, y_ref)
+    y = torch.empty(rows, n, dtype=dtype)
+    launch.forward(x, None, w, EPS, False, False, y, None, None)
+    assert_close_y(y, rms_norm_ref(x, w, EPS))
+
+
+def test_multi_block_real_width():
+    # Just past the real MAX_BLOCK_N: two blocks of 8192, the second nearly empty.
+    n = launch.MAX_BLOCK_N + 40
+    assert not launch.config(n, torch.bfloat16)[2]
+    gen = torch.Generator().manual_seed(n)
+    x = rows_of(2, n, torch.bfloat16, gen)
+    r = rows_of(2, n, torch.bfloat16, gen)
+    w = weight_of(n, gen)
+    y, ro, rstd = torch.empty_like(x), torch.empty_like(r), torch.empty(2)
+    launch.forward(x, r, w, EPS, False, False, y, ro, rstd)
+    y_ref, ro_ref = fused_add_rms_norm_ref(x, r, w, EPS)
+    assert_bitwise(ro, ro_ref)
+    assert max_ulp(y, y_ref) <= 1
+    _check_backward(x, r, w, rstd, None, False, x.float() + r.float())
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward.
+
+
+def _run_backward(dy, x, r, w, rstd, dro, round_first):
+    dx = torch.empty(x.shape, dtype=x.dtype)
+    dr = None if r is None else torch.empty(r.shape, dtype=r.dtype)
+    dw = torch.empty(w.shape, dtype=w.dtype)
+    launch.backward(dy, x, r, w, rstd, dro, round_first, dx, dr, dw)
+    return dx, dr, dw
+
+
+def _tol(dtype):
+    # One rounding of the output dtype on top of fp32 arithmetic (error ~1e-6 of the row's scale).
+    return {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-20, torch.float64: 1e-13}[dtype]
+
+
+def _assert_grad_close(got, ref64, scale=None):
+    """Elementwise: one rounding of got's dtype, plus fp32 arithmetic error relative to ``scale``,
+    the size of the terms that were added (``rstd * dy * w`` can cancel to a much smaller ds:
+    for n=1, ds = rstd * g * eps / (s^2 + eps))."""
+    scale = max(float(ref64.abs().max()), scale or 0.0)
+    err = (got.double() - ref64).abs()
+    bound = _tol(got.dtype) * ref64.abs() + (1e-13 if got.dtype == torch.float64 else 1e-6) * scale
+    assert bool((err <= bound).all()), f"max err {float(err.max())}, scale {scale}"
+
+
+def _check_backward(x, r, w, rstd, dro, round_first, s, gen=None):
+    """Gradients against fp64 autograd of the reference formula, and dweight's determinism."""
+    gen = gen or torch.Generator().manual_seed(1)
+    dy = rows_of(x.shape[0], x.shape[1], x.dtype, gen)
+    dx, dr, dw = _run_backward(dy, x, r, w, rstd, dro, round_first)
+    ds_ref, dw_ref = rms_norm_backward_ref(dy, s, w, EPS)
+    if dro is not None:
+        ds_ref = ds_ref + dro.double()
+    term = float((dy.double() * w.double() * rstd.double()[:, None]).abs().max())
+    _assert_grad_close(dx, ds_ref, term)
+    if r is not None:
+        _assert_grad_close(dr, ds_ref, term)
+    _assert_grad_close(dw, dw_ref)
+    dx2, dr2, dw2 = _run_backward(dy, x, r, w, rstd, dro, round_first)
+    assert_bitwise(dw2, dw)
+    assert_bitwise(dx2, dx)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,n,stride", [(3, 1, None), (3, 111, None), (2, 512, 576), (2, 7168, None)])
+def test_rms_norm_backward(dtype, rows, n, stride):
+    gen = torch.Generator().manual_seed(n * 13 + rows)
+    x = rows_of(rows, n, dtype, gen, stride)
+    w = weight_of(n, gen)
+    y, rstd = torch.empty(rows, n, dtype=dtype), torch.empty(rows)
+    launch.forward(x, None, w, EPS, False, False, y, None, rstd)
+    _check_backward(x, None, w, rstd, None, False, x.float(), gen)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rounding", ["fp32_sum", "round_first"])
+@pytest.mark.parametrize("res_fp32", [False, True])
+def test_fused_backward(dtype, rounding, res_fp32):
+    rows, n, stride = 3, 512, 576
+    gen = torch.Generator().manual_seed(17)
+    res_dtype = torch.float32 if res_fp32 else dtype
+    x = rows_of(rows, n, dtype, gen, stride)
+    r = rows_of(rows, n, res_dtype, gen, stride)
+    w = weight_of(n, gen)
+    y, ro, rstd = torch.empty(rows, n, dtype=dtype), torch.empty(rows, n, dtype=res_dtype), torch.empty(rows)
+    launch.forward(x, r, w, EPS, False, rounding == "round_first", y, ro, rstd)
+    s = x.float() + r.float()
+    if rounding == "round_first":
+        s = s.to(dtype).float()
+    dro = rows_of(rows, n, res_dtype, gen, stride)
+    _check_backward(x, r, w, rstd, dro, rounding == "round_first", s, gen)
+    _check_backward(x, r, w, rstd, None, rounding == "round_first", s, gen)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_multi_block_backward(small_blocks, dtype):
+    rows, n = 5, 200  # 4 column blocks; 2 or 3 rows per program
+    gen = torch.Generator().manual_seed(99)
+    x = rows_of(rows, n, dtype, gen, 256)
+    r = rows_of(rows, n, dtype, gen)
+    w = weight_of(n, gen)
+    assert launch.backward_rows_per_program(rows, n, dtype) > 1
+    y, ro, rstd = torch.empty(rows, n, dtype=dtype), torch.empty_like(r), torch.empty(rows)
+    launch.forward(x, r, w, EPS, False, True, y, ro, rstd)
+    _check_backward(x, r, w, rstd, rows_of(rows, n, dtype, gen), True, ro.float(), gen)
+    launch.forward(x, None, w, EPS, False, False, y, None, rstd)
+    _check_backward(x, None, w, rstd, None, False, x.float(), gen)
+
+
+def test_backward_rows_per_program(small_blocks):
+    # Several rows per program on the single-block path too (dweight partials over row blocks).
+    rows, n = 7, 48
+    dtype = torch.bfloat16
+    assert launch.config(n, dtype)[2] and launch.backward_rows_per_program(rows, n, dtype) > 1
+    gen = torch.Generator().manual_seed(7)
+    x, r, w = rows_of(rows, n, dtype, gen), rows_of(rows, n, dtype, gen), weight_of(n, gen)
+    y, ro, rstd = torch.empty_like(x), torch.empty_like(r), torch.empty(rows)
+    launch.forward(x, r, w, EPS, False, False, y, ro, rstd)
+    _check_backward(x, r, w, rstd, None, False, x.float() + r.float(), gen)
+
+
+def test_backward_fp64():
+    rows, n = 3, 100
+    gen = torch.Generator().manual_seed(8)
+    x, r = rows_of(rows, n, torch.float64, gen), rows_of(rows, n, torch.float64, gen)
+    w = weight_of(n, gen, torch.float64)
+    y, ro, rstd = torch.empty_like(x), torch.empty_like(r), torch.empty(rows, dtype=torch.float64)
+    launch.forward(x, r, w, EPS, False, False, y, ro, rstd)
+    _check_backward(x, r, w, rstd, rows_of(rows, n, torch.float64, gen), False, x + r, gen)
+
+
+def test_backward_rows_zero():
+    n = 16
+    x = torch.empty(0, n, dtype=torch.bfloat16)
+    dw = torch.full((n,), float("nan"))
+    launch.backward(x, x, None, weight_of(n, torch.Generator()), torch.empty(0), None, False, torch.empty_like(x),
+                    None, dw)
+    assert bool((dw == 0).all())
+
+
+def test_public_api_through_the_triton_launchers(monkeypatch):
+    """The whole op stack (checks, N-D and strided rows, options, autograd) on the Triton launchers,
+    as a CUDA tensor would use it: here the CPU slot of ops.py's launcher table points at them."""
+    from dsnorm import ops
+    import dsnorm
+
+    monkeypatch.setitem(ops._launchers, "cpu", launch)
+    g = torch.Generator().manual_seed(3)
+    kv = torch.randn(2, 3, 576, generator=g).to(torch.bfloat16)
+    x = kv[..., :512]
+    r = torch.randn(2, 3, 512, generator=g).to(torch.bfloat16)
+    w = torch.randn(512, generator=g)
+    y, res = dsnorm.fused_add_rms_norm(x, r, w)
+    y_ref, res_ref = fused_add_rms_norm_ref(x, r, w)
+    assert_bitwise(res, res_ref)
+    assert_close_y(y, y_ref)
+    xs = x.float().clone().requires_grad_()
+    dsnorm.rms_norm(xs, w).sum().backward()
+    assert xs.grad.shape == x.shape and torch.isfinite(xs.grad).all()
