@@ -190,9 +190,27 @@ def _load_launcher(device: torch.device):
     raise NotImplementedError(f"dsnorm has kernels for cpu and cuda tensors, not {device.type}")
 
 
+_COMPUTE_DTYPE = {d: compute_dtype(d) for d in INPUT_DTYPES}
+
+
+def _common_case(x, weight) -> bool:
+    """A few attribute reads that prove what check_input and check_weight would check, for the
+    common case; anything else goes through those checks (and their messages)."""
+    return (
+        isinstance(x, torch.Tensor)
+        and isinstance(weight, torch.Tensor)
+        and _COMPUTE_DTYPE.get(x.dtype) is weight.dtype
+        and weight.dim() == 1
+        and x.dim() >= 1
+        and x.shape[-1] == weight.shape[0] > 0
+        and (x.is_cpu if weight.is_cpu else weight.device == x.device)
+    )
+
+
 def _plain(x, weight, eps, cast, save_rstd):
-    check_input(x)
-    check_weight(weight, x)
+    if not _common_case(x, weight):
+        check_input(x)
+        check_weight(weight, x)
     check_options(eps, cast)
     x = readable_rows(x)
     launcher = _launcher(x)
@@ -203,9 +221,10 @@ def _plain(x, weight, eps, cast, save_rstd):
 
 
 def _fused(x, residual, weight, eps, cast, residual_rounding, residual_dtype, save_rstd):
-    check_input(x)
+    if not _common_case(x, weight):
+        check_input(x)
+        check_weight(weight, x)
     check_residual(residual, x, residual_dtype)
-    check_weight(weight, x)
     check_options(eps, cast, residual_rounding, residual_dtype)
     x = readable_rows(x)
     residual = readable_rows(residual)
