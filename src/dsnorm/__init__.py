@@ -5,11 +5,17 @@ form normalises the unrounded fp32 sum ``x + residual`` and also returns it roun
 Importing the package probes no device and compiles nothing.
 """
 
+import torch
+
 from dsnorm.autograd import fused_add_rms_norm, fused_add_rms_norm_, rms_norm
 from dsnorm.checkpoint import load_norms
 from dsnorm.module import RMSNorm
 from dsnorm.patching import patch
 from dsnorm.ref import RMSNormRef, fused_add_rms_norm_ref, rms_norm_ref
+
+if torch.distributed.is_available():
+    # DTensor sharding rules: registered once torch.distributed.tensor is imported (not imported here).
+    from dsnorm import distributed  # noqa: F401
 
 __all__ = [
     "RMSNorm",

@@ -99,8 +99,15 @@ def _compute_weight(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 def _flat(t: torch.Tensor, name: str) -> torch.Tensor:
+    """2-D rows for the Function (its saved tensors and gradients are then 2-D).
+
+    Tensor subclasses (DTensor) keep their shape: the ops take any leading shape, and flattening a
+    DTensor sharded on a row dim is a redistribution (or an error for uneven shards).
+    """
     ops.check_input(t, name)
-    return ops.as_rows(t)
+    if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+        return t
+    return ops.as_rows(ops.readable_rows(t))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = EPS, *, cast: str = "deepseek") -> torch.Tensor:
@@ -122,8 +129,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = EPS, *, cast: s
         if _direct(x, w):
             return ops.rms_norm(x, w, eps, cast)
         return _infer(x, w, eps, cast)
-    x2 = _flat(x, "x")
-    return RMSNormFunction.apply(x2, w, eps, cast).view(x.shape)
+    y = RMSNormFunction.apply(_flat(x, "x"), w, eps, cast)
+    return y if y.shape == x.shape else y.view(x.shape)
 
 
 def fused_add_rms_norm(
@@ -167,6 +174,8 @@ def fused_add_rms_norm(
     y, residual_out = FusedAddRMSNormFunction.apply(
         _flat(x, "x"), _flat(residual, "residual"), w, eps, cast, residual_rounding, residual_dtype
     )
+    if y.shape == x.shape:
+        return y, residual_out
     return y.view(x.shape), residual_out.view(x.shape)
 
 
