@@ -210,6 +210,8 @@ def fused_add_rms_norm_(
         ``(x, residual)``, the same tensor objects.
     """
     w = _compute_weight(weight, x)
+    if not isinstance(residual, torch.Tensor):
+        raise TypeError(f"residual must be a torch.Tensor, got {type(residual).__name__}")
     if _needs_grad(x, residual, w):
         raise RuntimeError(
             "fused_add_rms_norm_ writes its inputs and has no gradient; use fused_add_rms_norm for "

@@ -238,7 +238,24 @@ def _fused(x, residual, weight, eps, cast, residual_rounding, residual_dtype, sa
     return y, residual_out, rstd
 
 
+def _decode():
+    # The CPU module's decode fast path (imported on first use: importing dsnorm loads no numba).
+    global _decode_fn
+    if _decode_fn is None:
+        from dsnorm import cpu
+
+        _decode_fn = cpu.decode
+    return _decode_fn
+
+
+_decode_fn = None
+
+
 def rms_norm(x, weight, eps, cast):
+    check_options(eps, cast)
+    out = (_decode_fn or _decode())(x, None, weight, float(eps), cast == "hf", False, None, False)
+    if out is not None:
+        return out
     return _plain(x, weight, eps, cast, False)[0]
 
 
@@ -247,6 +264,12 @@ def rms_norm_fwd(x, weight, eps, cast):
 
 
 def fused_add_rms_norm(x, residual, weight, eps, cast, residual_rounding, residual_dtype):
+    check_options(eps, cast, residual_rounding, residual_dtype)
+    out = (_decode_fn or _decode())(
+        x, residual, weight, float(eps), cast == "hf", residual_rounding == "round_first", residual_dtype, False
+    )
+    if out is not None:
+        return out
     return _fused(x, residual, weight, eps, cast, residual_rounding, residual_dtype, False)[:2]
 
 
@@ -296,6 +319,13 @@ def _inplace_common_case(x, residual, weight) -> bool:
 
 
 def fused_add_rms_norm_inplace(x, residual, weight, eps, cast, residual_rounding):
+    if isinstance(residual, torch.Tensor) and isinstance(x, torch.Tensor) and residual.dtype is x.dtype:
+        check_options(eps, cast, residual_rounding)
+        done = (_decode_fn or _decode())(
+            x, residual, weight, float(eps), cast == "hf", residual_rounding == "round_first", None, True
+        )
+        if done is not None:
+            return
     if not _inplace_common_case(x, residual, weight):
         check_input(x)
         check_inplace(x, residual)
