@@ -121,6 +121,8 @@ def test_verification_rows_present_and_dsnorm_passes(quick):
 
 def test_quick_skips_torch_compile_with_reason(quick):
     for case in quick["json"]["cases"]:
+        if case["site"] == "fusion":  # a fusion is timed against its eager composition only
+            continue
         row = next(p for p in case["providers"] if p["name"] == bench.COMPILED)
         assert row["available"] is False and row["reason"]
 
@@ -355,3 +357,13 @@ def test_measure_caps_a_provider_that_turns_slow_after_warm_up():
     _, n, _ = bench.measure([r], s, torch.device("cpu"))["slow"]
     # Each round may spend 2 * 0.1 / 2 s, i.e. at most 0.1 / 0.02 + 1 calls.
     assert 2 <= n <= 2 * 6
+
+
+def test_fusion_rows_verified_bitwise(quick):
+    fusions = [c for c in quick["json"]["cases"] if c["site"] == "fusion"]
+    names = " ".join(c["name"] for c in fusions)
+    for kind in ("rms_norm_fp8", "fused_add_rms_norm_fp8", "final_norm", "mla_latent_norms"):
+        assert kind in names
+    for case in fusions:
+        ds = next(p for p in case["providers"] if p["role"] == "dsnorm")
+        assert ds["outputs_bitwise"] is True and ds["fidelity_ok"] is True and ds["max_ulp"] == 0

@@ -9,6 +9,7 @@ import torch
 
 from dsnorm.autograd import fused_add_rms_norm, fused_add_rms_norm_, rms_norm
 from dsnorm.checkpoint import load_norms
+from dsnorm.fusions import final_norm, fused_add_rms_norm_fp8, mla_latent_norms, rms_norm_fp8
 from dsnorm.module import RMSNorm
 from dsnorm.patching import patch
 from dsnorm.ref import RMSNormRef, fused_add_rms_norm_ref, rms_norm_ref
@@ -21,11 +22,15 @@ __all__ = [
     "RMSNorm",
     "RMSNormRef",
     "fused_add_rms_norm",
+    "final_norm",
     "fused_add_rms_norm_",
+    "fused_add_rms_norm_fp8",
     "fused_add_rms_norm_ref",
     "load_norms",
+    "mla_latent_norms",
     "patch",
     "rms_norm",
+    "rms_norm_fp8",
     "rms_norm_ref",
 ]
 __version__ = "0.1.0"

@@ -110,3 +110,67 @@ def rms_norm_backward_ref(dy: torch.Tensor, s: torch.Tensor, weight: torch.Tenso
     y = w64 * _normalise(s64, eps)
     ds, dw = torch.autograd.grad(y, (s64, w64), dy.to(torch.float64))
     return ds, dw
+
+
+# ---------------------------------------------------------------------------------------------
+# fp8 block quantisation (DeepSeek's act_quant, from its semantics) for the inference fusions.
+
+FP8_MAX = 448.0
+AMAX_FLOOR = 1e-4
+SCALE_FMTS = (None, "ue8m0")
+FP8_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MIN_BLOCK, MAX_BLOCK = 16, 4096
+
+
+def _check_quant_args(x: torch.Tensor, block_size, scale_fmt, name: str = "x") -> None:
+    if scale_fmt not in SCALE_FMTS:
+        raise ValueError(f"scale_fmt must be None (act_quant's default) or 'ue8m0', got {scale_fmt!r}")
+    if isinstance(block_size, bool) or not isinstance(block_size, int):
+        raise TypeError(f"block_size must be an int, got {type(block_size).__name__}")
+    if not (MIN_BLOCK <= block_size <= MAX_BLOCK) or block_size & (block_size - 1):
+        raise ValueError(
+            f"block_size must be a power of two in [{MIN_BLOCK}, {MAX_BLOCK}] (DeepSeek uses 128), got {block_size}"
+        )
+    if x.dim() == 0 or x.shape[-1] % block_size != 0 or x.shape[-1] == 0:
+        width = "a scalar" if x.dim() == 0 else f"width {x.shape[-1]}"
+        raise ValueError(
+            f"{name}'s last dimension must be a positive multiple of block_size={block_size} for fp8 block "
+            f"quantisation, got {width}"
+        )
+
+
+def act_quant_ref(x: torch.Tensor, block_size: int = 128, scale_fmt: Optional[str] = None):
+    """Eager ``act_quant``: ``s = max(max|x_blk|, 1e-4) * (1/448)`` (ue8m0: ``2^ceil(log2 s)``),
+    ``q = clamp(x / s, -448, 448).to(float8_e4m3fn)``, per row in blocks of ``block_size``.
+
+    Args:
+        x: ``[..., n]`` float tensor, ``n`` a multiple of ``block_size``; computed as ``x.float()``.
+        block_size: columns per scale (128 in DeepSeek).
+        scale_fmt: ``None`` (fp32 scales, act_quant's default) or ``"ue8m0"`` (power-of-two scales,
+            the 671B config).
+
+    Returns:
+        ``(q, s)``: ``q`` ``[..., n]`` float8_e4m3fn, ``s`` ``[..., n // block_size]`` float32.
+    """
+    _check_quant_args(x, block_size, scale_fmt)
+    xb = x.float().unflatten(-1, (-1, block_size))
+    amax = xb.abs().amax(dim=-1).clamp(min=AMAX_FLOOR)
+    s = amax * (1.0 / FP8_MAX)  # an fp32 tensor times a Python float: fp32 multiply by fp32(1/448)
+    if scale_fmt == "ue8m0":
+        mant, exp = torch.frexp(s)  # s = mant * 2^exp, mant in [0.5, 1): a power of two iff mant == 0.5
+        exp = torch.where(mant == 0.5, exp - 1, exp)
+        s = torch.where(torch.isfinite(s), torch.ldexp(torch.ones_like(s), exp), s)
+    q = (xb / s.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.flatten(-2), s
+
+
+def rms_norm_fp8_ref(x, weight, eps=EPS, *, scale_fmt=None, block_size=128):
+    """``act_quant_ref(rms_norm_ref(x, weight, eps))`` in two eager steps: ``(q, s, y)``."""
+    y = rms_norm_ref(x, weight.float(), eps)
+    return (*act_quant_ref(y, block_size, scale_fmt), y)
+
+
+def fused_add_rms_norm_fp8_ref(x, residual, weight, eps=EPS, *, scale_fmt=None, block_size=128):
+    """``y, r = fused_add_rms_norm_ref(...)``; ``act_quant_ref(y)``: ``(q, s, r, y)``."""
+    y, r = fused_add_rms_norm_ref(x, residual, weight.float(), eps)
+    return (*act_quant_ref(y, block_size, scale_fmt), r, y)

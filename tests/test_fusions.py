@@ -1,0 +1,454 @@
+"""The inference fusions on CPU (numba) against eager compositions of the reference.
+
+* fp8: ``rms_norm_fp8`` / ``fused_add_rms_norm_fp8`` bitwise equal to
+  ``act_quant_ref(rms_norm_ref(...))`` (q, scales, residual_out, y), and the kernels' fp32 ->
+  e4m3fn conversion and ue8m0 rounding against torch / exact oracles over many values.
+* ``final_norm`` bitwise equal to ``fused_add_rms_norm_ref(h, residual)[i][:, -1]`` (or at
+  ``lengths - 1``); ``mla_latent_norms`` bitwise equal to the two separate norms.
+* Ops pass ``torch.library.opcheck``; bad input raises errors naming the argument.
+"""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import dsnorm
+from dsnorm import cpu_fusions, fusions
+from dsnorm.fusions import (
+    act_quant_ref,
+    final_norm,
+    fused_add_rms_norm_fp8,
+    fused_add_rms_norm_fp8_ref,
+    mla_latent_norms,
+    rms_norm_fp8,
+    rms_norm_fp8_ref,
+)
+from dsnorm.ref import fused_add_rms_norm_ref, rms_norm_ref
+
+from conftest import bits_equal, bitwise_expected
+
+EPS = 1e-6
+FP8_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+pytestmark = pytest.mark.skipif(not bitwise_expected(7168), reason="bitwise equality needs torch's x86 sum order")
+
+
+def fp8_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """float8_e4m3fn bits equal, except that a NaN (0x7F / 0xFF) only has to be a NaN."""
+    assert a.dtype == b.dtype == torch.float8_e4m3fn and a.shape == b.shape
+    ab, bb = a.view(torch.uint8), b.view(torch.uint8)
+    nan_a, nan_b = (ab & 0x7F) == 0x7F, (bb & 0x7F) == 0x7F
+    return torch.equal(nan_a, nan_b) and torch.equal(ab[~nan_a], bb[~nan_b])
+
+
+def gen_of(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def randn(shape, dtype, gen, scale=1.0):
+    return (torch.randn(shape, generator=gen, dtype=torch.float64) * scale).to(dtype)
+
+
+def block_weight(n, gen, block=128):
+    """A weight whose blocks span magnitudes 2^-24 .. 2^12 (so y's blocks do too), including a zero
+    block (amax below the 1e-4 floor) and blocks scaled by exact powers of two."""
+    scales = torch.tensor([2.0 ** k for k in range(-24, 13, 3)] + [0.0, 1e-5, 448.0, 1.0], dtype=torch.float64)
+    per_block = scales[torch.arange(n // block) % len(scales)]
+    w = (1.0 + 0.25 * torch.randn(n, generator=gen, dtype=torch.float64)) * per_block.repeat_interleave(block)
+    return w.float()
+
+
+# ---------------------------------------------------------------------------------------------
+# The conversions.
+
+
+def _patterns() -> np.ndarray:
+    """fp32 patterns: every sign/exponent/top-7-mantissa-bit combination with the low 16 bits at
+    0, 1, 0x7FFF, 0x8000, 0x8001, 0xFFFF (ties of every rounding position of e4m3fn's normal and
+    subnormal ranges, just around them, and exact values), plus 2^20 random patterns."""
+    hi = np.arange(1 << 16, dtype=np.uint64) << np.uint64(16)
+    lows = np.array([0, 1, 0x7FFF, 0x8000, 0x8001, 0xFFFF], dtype=np.uint64)
+    pats = (hi[:, None] | lows[None, :]).reshape(-1)
+    rand = np.random.default_rng(0).integers(0, 1 << 32, size=1 << 20, dtype=np.uint64)
+    return np.concatenate([pats, rand]).astype(np.uint32).view(np.float32)
+
+
+def test_e4m3_conversion_matches_torch():
+    v = _patterns()
+    got = cpu_fusions.e4m3_bits(v)
+    t = torch.from_numpy(v)
+    # The reference's clamp then cast (the kernels fold the clamp into a saturating conversion).
+    want = t.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+    assert np.array_equal(got, want), f"{int((got != want).sum())} of {v.size} differ"
+    # Where no clamp applies, the conversion is torch's own, NaN sign included.
+    small = ~(np.abs(v) > 448)
+    assert np.array_equal(got[small], t[torch.from_numpy(small)].to(torch.float8_e4m3fn).view(torch.uint8).numpy())
+    # The set holds what it claims: ties in e4m3fn's subnormal range (k * 2^-9) and normal range.
+    a = np.abs(v[np.isfinite(v)]).astype(np.float64)
+    assert np.any((a < 2.0**-6) & (a > 0) & (np.mod(a * 2**9, 1.0) == 0.5))
+    assert np.any((a >= 2.0**-6) & (a < 448) & (np.mod(a / 2.0 ** np.floor(np.log2(np.maximum(a, 1e-300))) * 8, 1) == 0.5))
+    assert np.isnan(v).sum() > 1000 and np.isinf(v).any() and (v == 0).any()
+    nan_bits = got[np.isnan(v)]
+    assert set(np.unique(nan_bits).tolist()) == {0x7F, 0xFF}
+
+
+def _ue8m0_oracle(values: np.ndarray) -> np.ndarray:
+    """2^ceil(log2 v) in Python's double precision (exact for an fp32 v: log2 of a power of two is
+    exact, and of anything above one it is above the integer)."""
+    return np.array([2.0 ** math.ceil(math.log2(float(x))) for x in values], dtype=np.float64).astype(np.float32)
+
+
+def test_ue8m0_rounding():
+    rng = np.random.default_rng(1)
+    powers = np.float32(2.0) ** np.arange(-40, 40, dtype=np.float32)
+    ulp_above = np.nextafter(powers, np.float32(np.inf))
+    ulp_below = np.nextafter(powers, np.float32(0))
+    rand = (rng.random(20000) * 10.0 ** rng.integers(-9, 9, 20000)).astype(np.float32)
+    v = np.concatenate([powers, ulp_above, ulp_below, rand[rand > 0]])
+    want = _ue8m0_oracle(v)
+    assert np.array_equal(cpu_fusions.ue8m0_scales(v), want)
+    # The reference (frexp) agrees; log2 in fp32 does not (the reason it is not used).
+    t = torch.from_numpy(v)
+    mant, exp = torch.frexp(t)
+    ref = torch.ldexp(torch.ones_like(t), torch.where(mant == 0.5, exp - 1, exp))
+    assert np.array_equal(ref.numpy(), want)
+    naive = torch.exp2(torch.ceil(torch.log2(t)))
+    assert not torch.equal(naive, torch.from_numpy(want))
+    special = np.array([np.inf, np.nan], dtype=np.float32)
+    out = cpu_fusions.ue8m0_scales(special)
+    assert np.isinf(out[0]) and np.isnan(out[1])
+
+
+def test_scale_is_fp32_multiply_by_fp32_reciprocal():
+    # act_quant's s = amax * (1/448): in torch an fp32 tensor times a Python float multiplies by
+    # fp32(1/448). That is not amax / 448 for every amax: the choice is observable and fixed here.
+    amax = torch.from_numpy(np.random.default_rng(2).random(1 << 16).astype(np.float32) * 500 + 1e-4)
+    literal = amax * (1.0 / 448)
+    explicit = amax * torch.tensor(1.0 / 448, dtype=torch.float32)
+    assert torch.equal(literal, explicit)
+    assert int((literal != amax / 448).sum()) > 0
+    # act_quant_ref uses it: one element per block, so amax is that element.
+    q, s = act_quant_ref(amax.view(-1, 1).expand(-1, 16).contiguous(), 16)
+    assert torch.equal(s.view(-1), literal)  # every amax here is above the 1e-4 floor
+
+
+def test_act_quant_ref_semantics():
+    # Spelled out on one block: amax, the 1e-4 floor, the clamp, ue8m0.
+    x = torch.zeros(2, 128)
+    x[0, 0], x[0, 1], x[0, 2] = 3.0, -448.0 * 2, 1.0
+    x[1] = 1e-6
+    q, s = act_quant_ref(x, 128)
+    s0 = torch.tensor(896.0) * torch.tensor(1 / 448, dtype=torch.float32)
+    assert s[0, 0] == s0 and s[1, 0] == torch.tensor(1e-4) * torch.tensor(1 / 448, dtype=torch.float32)
+    assert q[0, 1].float() == -448 and q[0, 0].float() == (3.0 / s0).to(torch.float8_e4m3fn).float()
+    qu, su = act_quant_ref(x, 128, "ue8m0")
+    assert su[0, 0] == 2.0 and qu[0, 1].float() == -448 and qu[0, 0].float() == 1.5
+    assert su[1, 0] == 2.0 ** math.ceil(math.log2(float(s[1, 0])))
+
+
+# ---------------------------------------------------------------------------------------------
+# Norm + fp8.
+
+
+def _assert_fp8_matches(got, ref, with_residual):
+    q, s = got[0], got[1]
+    assert fp8_equal(q, ref[0])
+    assert bits_equal(s, ref[1])
+    if with_residual:
+        assert bits_equal(got[2], ref[2])
+    assert bits_equal(got[-1], ref[-1])
+
+
+@pytest.mark.parametrize("dtype", FP8_DTYPES)
+@pytest.mark.parametrize("scale_fmt", [None, "ue8m0"])
+@pytest.mark.parametrize("shape", [(3, 7168), (2, 5, 1536), (12, 7168)])  # the last runs in parallel
+def test_fp8_bitwise(dtype, scale_fmt, shape):
+    gen = gen_of(hash((shape, str(dtype))) % 1000)
+    n = shape[-1]
+    x = randn(shape, dtype, gen)
+    r = randn(shape, dtype, gen, 4.0)
+    w = block_weight(n, gen)
+    got = rms_norm_fp8(x, w, scale_fmt=scale_fmt, return_normed=True)
+    _assert_fp8_matches(got, rms_norm_fp8_ref(x, w, scale_fmt=scale_fmt), False)
+    assert bits_equal(got[2], dsnorm.rms_norm(x, w))  # y is the core's output
+    got = fused_add_rms_norm_fp8(x, r, w, scale_fmt=scale_fmt, return_normed=True)
+    ref = fused_add_rms_norm_fp8_ref(x, r, w, scale_fmt=scale_fmt)
+    _assert_fp8_matches(got, ref, True)
+    y_core, r_core = dsnorm.fused_add_rms_norm(x, r, w)
+    assert bits_equal(got[3], y_core) and bits_equal(got[2], r_core)
+    # Without y, the same q and scales (y then lives in scratch only).
+    q, s, ro = fused_add_rms_norm_fp8(x, r, w, scale_fmt=scale_fmt)
+    assert fp8_equal(q, got[0]) and bits_equal(s, got[1]) and bits_equal(ro, got[2])
+    q, s = rms_norm_fp8(x, w, scale_fmt=scale_fmt)
+    assert q.shape == shape and s.shape == (*shape[:-1], n // 128) and s.dtype == torch.float32
+
+
+def test_fp8_reads_y_rounded_to_x_dtype():
+    # Quantising the fp32 value before its bf16 rounding would give other bits: the rounding is
+    # what makes the fused result equal the two-step model.
+    gen = gen_of(4)
+    x, w = randn((8, 1536), torch.bfloat16, gen), block_weight(1536, gen)
+    q, s = rms_norm_fp8(x, w, scale_fmt=None)
+    xf = x.float()
+    y32 = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS))
+    q32, s32 = act_quant_ref(y32, 128)
+    assert not (fp8_equal(q, q32) and torch.equal(s, s32))
+    assert fp8_equal(q, act_quant_ref(rms_norm_ref(x, w), 128)[0])
+
+
+@pytest.mark.parametrize("block_size", [16, 64, 512])
+def test_fp8_block_sizes_and_strided_rows(block_size):
+    gen = gen_of(block_size)
+    parent = randn((3, 4, 576), torch.bfloat16, gen)
+    x = parent[..., :512]  # strided rows, read in place
+    r = randn((3, 4, 512), torch.bfloat16, gen)
+    w = block_weight(512, gen, block_size)
+    for fmt in (None, "ue8m0"):
+        got = fused_add_rms_norm_fp8(x, r, w, scale_fmt=fmt, block_size=block_size, return_normed=True)
+        _assert_fp8_matches(got, fused_add_rms_norm_fp8_ref(x, r, w, scale_fmt=fmt, block_size=block_size), True)
+    # bf16 weights are widened exactly, as in the core API.
+    wb = w.to(torch.bfloat16)
+    _assert_fp8_matches(rms_norm_fp8(x, wb, block_size=block_size, return_normed=True),
+                        rms_norm_fp8_ref(x, wb, block_size=block_size), False)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_fp8_extremes():
+    # A NaN (whole row NaN), a NaN weight column (one block NaN), a zero row (amax floor),
+    # y overflowing bf16 (inf in a block: scale inf, q NaN there and 0 elsewhere), tiny values
+    # that quantise to e4m3fn subnormals.
+    n = 512
+    gen = gen_of(9)
+    x = randn((6, n), torch.bfloat16, gen)
+    x[0, 7] = float("nan")
+    x[1] = 0.0
+    x[3, 0] = 100.0
+    x[3, 1:8] = 100.0 * 2.0**-17 * torch.arange(1, 8)  # y / s ~ 0.0034 k: e4m3fn subnormals
+    x[2, 140] = 50.0
+    w = block_weight(n, gen)
+    w[:128] = 1.0
+    w[300] = float("nan")
+    w[140] = 3e38  # y[2, 140] overflows bf16
+    for fmt in (None, "ue8m0"):
+        got = rms_norm_fp8(x, w, scale_fmt=fmt, return_normed=True)
+        _assert_fp8_matches(got, rms_norm_fp8_ref(x, w, scale_fmt=fmt), False)
+        q, s, y = got
+        assert bool(s[0].isnan().all()) and bool(q[0].float().isnan().all())
+        assert bool(s[2, 2].isnan()) and bool(s[2, 1].isinf())
+    assert bool((q[1, :256].float() == 0).all()) and bool((s[1, :2] > 0).all())  # the zero row, bar the NaN block
+    sub = q[3, 1:5].view(torch.uint8)  # k = 1..4; 5..7 are normal
+    assert bool(((sub & 0x78) == 0).all()) and bool((sub != 0).all())  # e4m3fn subnormal codes
+
+
+def test_fp8_thread_count_invariant(threads):
+    gen = gen_of(11)
+    x, r = randn((40, 1536), torch.bfloat16, gen), randn((40, 1536), torch.bfloat16, gen)
+    w = block_weight(1536, gen)
+    torch.set_num_threads(1)
+    one = fused_add_rms_norm_fp8(x, r, w, scale_fmt="ue8m0", return_normed=True)
+    torch.set_num_threads(2)
+    two = fused_add_rms_norm_fp8(x, r, w, scale_fmt="ue8m0", return_normed=True)
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(one, two))
+
+
+def test_fp8_errors():
+    gen = gen_of(12)
+    x, r, w = randn((2, 256), torch.bfloat16, gen), randn((2, 256), torch.bfloat16, gen), torch.ones(256)
+    r_before = r.clone()
+    with pytest.raises(ValueError, match="block_size=128"):
+        rms_norm_fp8(randn((2, 200), torch.bfloat16, gen), torch.ones(200))
+    with pytest.raises(ValueError, match="scale_fmt"):
+        rms_norm_fp8(x, w, scale_fmt="e8m0")
+    with pytest.raises(ValueError, match="block_size"):
+        rms_norm_fp8(x, w, block_size=96)
+    with pytest.raises(TypeError, match="block_size"):
+        rms_norm_fp8(x, w, block_size=128.0)
+    with pytest.raises(TypeError, match="x must be bfloat16, float16 or float32"):
+        rms_norm_fp8(x.double(), w)
+    with pytest.raises(TypeError, match="residual"):
+        fused_add_rms_norm_fp8(x, r.float(), w)
+    with pytest.raises(ValueError, match="residual"):
+        fused_add_rms_norm_fp8(x, r[:1], w)
+    with pytest.raises(ValueError, match="weight"):
+        rms_norm_fp8(x, torch.ones(128))
+    with pytest.raises(ValueError, match="eps"):
+        fused_add_rms_norm_fp8(x, r, w, eps=-1.0)
+    with pytest.raises(TypeError, match="return_normed"):
+        rms_norm_fp8(x, w, return_normed=1)
+    with pytest.raises(TypeError):  # no such option: inference paths use DeepSeek's cast only
+        rms_norm_fp8(x, w, cast="hf")
+    with pytest.raises(TypeError):
+        fused_add_rms_norm_fp8(x, r, w, residual_rounding="round_first")
+    assert torch.equal(r, r_before)
+    xg = x.float().requires_grad_()
+    with pytest.raises(RuntimeError, match="inference-only"):
+        rms_norm_fp8(xg, w)
+    with pytest.raises(RuntimeError, match="inference-only"):
+        fused_add_rms_norm_fp8(x, r, torch.nn.Parameter(w))
+    with torch.no_grad():  # model weights are Parameters: fine without grad mode
+        q, s, ro = fused_add_rms_norm_fp8(x, r, torch.nn.Parameter(w))
+    assert fp8_equal(q, fused_add_rms_norm_fp8_ref(x, r, w)[0])
+
+
+# ---------------------------------------------------------------------------------------------
+# Final norm.
+
+
+@pytest.mark.parametrize("dtype,batch,seq,n", [
+    (torch.bfloat16, 3, 7, 512), (torch.float32, 3, 7, 512), (torch.float64, 3, 7, 512),
+    (torch.bfloat16, 12, 3, 7168), (torch.float32, 12, 3, 7168),  # parallel (fp64 there would only add a compile)
+])
+def test_final_norm_bitwise(dtype, batch, seq, n):
+    gen = gen_of(batch * seq)
+    h, r = randn((batch, seq, n), dtype, gen), randn((batch, seq, n), dtype, gen, 4.0)
+    w = randn((n,), torch.float64 if dtype == torch.float64 else torch.float32, gen)
+    y_ref, r_ref = fused_add_rms_norm_ref(h, r, w)
+    y, ro = final_norm(h, r, w)
+    assert y.shape == (batch, n) and ro.shape == (batch, n)
+    assert bits_equal(y, y_ref[:, -1]) and bits_equal(ro, r_ref[:, -1])
+    lengths = torch.randint(1, seq + 1, (batch,), generator=gen)
+    lengths[0] = seq
+    lengths[-1] = 1
+    rows = torch.arange(batch)
+    for lens in (lengths, lengths.to(torch.int32)):
+        y, ro = final_norm(h, r, w, lengths=lens)
+        assert bits_equal(y, y_ref[rows, lengths - 1]) and bits_equal(ro, r_ref[rows, lengths - 1])
+    y_full, r_full = final_norm(h, r, w, last_only=False)
+    assert y_full.shape == h.shape and bits_equal(y_full, y_ref) and bits_equal(r_full, r_ref)
+
+
+def test_final_norm_strided_h():
+    # h as a [B, T, d] view of a [T, B, d] buffer, residual with padded rows: read in place.
+    gen = gen_of(21)
+    h = randn((6, 3, 1536), torch.bfloat16, gen).transpose(0, 1)
+    r = randn((3, 6, 1600), torch.bfloat16, gen)[..., :1536]
+    w = randn((1536,), torch.float32, gen)
+    y_ref, r_ref = fused_add_rms_norm_ref(h, r, w)
+    y, ro = final_norm(h, r, w)
+    assert bits_equal(y, y_ref[:, -1]) and bits_equal(ro, r_ref[:, -1])
+    lengths = torch.tensor([2, 6, 1])
+    y, ro = final_norm(h, r, w, lengths=lengths)
+    rows = torch.arange(3)
+    assert bits_equal(y, y_ref[rows, lengths - 1]) and bits_equal(ro, r_ref[rows, lengths - 1])
+
+
+def test_final_norm_errors():
+    gen = gen_of(22)
+    h, r, w = randn((2, 4, 64), torch.bfloat16, gen), randn((2, 4, 64), torch.bfloat16, gen), torch.ones(64)
+    for bad, exc, match in [
+        (torch.tensor([0, 4]), ValueError, r"lengths must be in \[1, 4\]"),
+        (torch.tensor([1, 5]), ValueError, r"lengths must be in \[1, 4\]"),
+        (torch.tensor([1.0, 2.0]), TypeError, "integer"),
+        (torch.tensor([True, True]), TypeError, "integer"),
+        (torch.tensor([1, 2, 3]), ValueError, r"shape \(2,\)"),
+        ([1, 2], TypeError, "lengths must be a torch.Tensor"),
+    ]:
+        with pytest.raises(exc, match=match):
+            final_norm(h, r, w, lengths=bad)
+    with pytest.raises(ValueError, match="last_only=True"):
+        final_norm(h, r, w, last_only=False, lengths=torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match="3-D"):
+        final_norm(h[0], r[0], w)
+    with pytest.raises(ValueError, match="at least one position"):
+        final_norm(h[:, :0], r[:, :0], w)
+    with pytest.raises(TypeError, match="residual"):
+        final_norm(h, r.float(), w)
+    with pytest.raises(TypeError, match="last_only"):
+        final_norm(h, r, w, last_only="yes")
+    with pytest.raises(RuntimeError, match="inference-only"):
+        final_norm(h.float().requires_grad_(), r.float(), w)
+
+
+# ---------------------------------------------------------------------------------------------
+# MLA latents.
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("lead", [(1,), (3, 5), (64,)])  # (64,) runs in parallel
+def test_mla_latent_norms_bitwise(dtype, lead):
+    gen = gen_of(len(lead) * 100 + lead[-1])
+    q = randn((*lead, 1536), dtype, gen)
+    kv_a = randn((*lead, 576), dtype, gen)
+    kv_before = kv_a.clone()
+    wq, wkv = randn((1536,), torch.float32, gen), randn((512,), torch.float32, gen)
+    qn, kvn = mla_latent_norms(q, kv_a, wq, wkv)
+    assert qn.shape == q.shape and kvn.shape == (*lead, 512) and kvn.is_contiguous()
+    assert bits_equal(qn, rms_norm_ref(q, wq)) and bits_equal(kvn, rms_norm_ref(kv_a[..., :512], wkv))
+    assert bits_equal(qn, dsnorm.rms_norm(q, wq)) and bits_equal(kvn, dsnorm.rms_norm(kv_a[..., :512], wkv))
+    assert torch.equal(kv_a.view(torch.uint8), kv_before.view(torch.uint8))  # rotary columns and all untouched
+
+
+def test_mla_latent_norms_strided_and_errors():
+    gen = gen_of(31)
+    q = randn((4, 1600), torch.bfloat16, gen)[:, :1536]
+    kv_a = randn((4, 576), torch.bfloat16, gen)
+    wq, wkv = randn((1536,), torch.float32, gen), randn((512,), torch.float32, gen)
+    qn, kvn = mla_latent_norms(q, kv_a, wq.to(torch.bfloat16), wkv)
+    assert bits_equal(qn, rms_norm_ref(q, wq.to(torch.bfloat16))) and bits_equal(kvn, rms_norm_ref(kv_a[:, :512], wkv))
+    with pytest.raises(ValueError, match="kv_weight"):
+        mla_latent_norms(q, kv_a, wq, torch.ones(600))
+    with pytest.raises(ValueError, match="q_weight"):
+        mla_latent_norms(q, kv_a, torch.ones(512), wkv)
+    with pytest.raises(ValueError, match="leading shape"):
+        mla_latent_norms(q, kv_a[:3], wq, wkv)
+    with pytest.raises(TypeError, match="kv_a must have q_latent's dtype"):
+        mla_latent_norms(q, kv_a.float(), wq, wkv)
+    with pytest.raises(TypeError, match="kv_a must be a torch.Tensor"):
+        mla_latent_norms(q, None, wq, wkv)
+    with pytest.raises(RuntimeError, match="inference-only"):
+        mla_latent_norms(q.float().requires_grad_(), kv_a.float(), wq, wkv)
+
+
+# ---------------------------------------------------------------------------------------------
+# Ops.
+
+
+def test_opcheck():
+    gen = gen_of(41)
+    x, r = randn((3, 256), torch.bfloat16, gen), randn((3, 256), torch.bfloat16, gen)
+    w = randn((256,), torch.float32, gen)
+    ops = torch.ops.dsnorm
+    torch.library.opcheck(ops.rms_norm_fp8, (x, w, EPS, "ue8m0", 128, True))
+    torch.library.opcheck(ops.rms_norm_fp8, (x, w, EPS, None, 64, False))
+    torch.library.opcheck(ops.fused_add_rms_norm_fp8, (x, r, w, EPS, None, 128, True))
+    h, hr = randn((2, 3, 256), torch.bfloat16, gen), randn((2, 3, 256), torch.bfloat16, gen)
+    torch.library.opcheck(ops.final_norm, (h, hr, w, EPS, None))
+    torch.library.opcheck(ops.final_norm, (h, hr, w, EPS, torch.tensor([3, 1])))
+    q, kv = randn((2, 3, 384), torch.bfloat16, gen), randn((2, 3, 320), torch.bfloat16, gen)
+    torch.library.opcheck(ops.mla_latent_norms, (q, kv, randn((384,), torch.float32, gen), w, EPS))
+
+
+def test_ops_under_a_dispatch_mode_match_the_direct_path():
+    # Inside a dispatch mode the functional API goes through torch.ops: same results.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        calls = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.calls.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    gen = gen_of(42)
+    x, r, w = randn((2, 256), torch.bfloat16, gen), randn((2, 256), torch.bfloat16, gen), torch.ones(256)
+    direct = fused_add_rms_norm_fp8(x, r, w, scale_fmt="ue8m0")
+    with Count() as mode:
+        via_op = fused_add_rms_norm_fp8(x, r, w, scale_fmt="ue8m0")
+    assert any("fused_add_rms_norm_fp8" in c for c in mode.calls)
+    assert fp8_equal(via_op[0], direct[0]) and torch.equal(via_op[1], direct[1])
+
+
+def test_bench_cases_compare_equal_results():
+    # The bench's fused and baseline callables compute the same thing (small cases only here).
+    for case in fusions.bench_cases(quick=True):
+        if "B=64" in case["shape"] or "4096" in case["shape"]:
+            continue
+        a, b = case["fused"](), case["baseline"]()
+        for ta, tb in zip(a, b):
+            if ta.dtype == torch.float8_e4m3fn:
+                assert fp8_equal(ta, tb), case["name"]
+            else:
+                assert bits_equal(ta, tb), case["name"]
+        assert case["bytes"] > 0
