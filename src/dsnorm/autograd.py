@@ -68,6 +68,8 @@ class FusedAddRMSNormFunction(torch.autograd.Function):
 
 
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+# torch.autograd.graph.increment_version without its Python wrapper (this runs per decode call).
+_increment_version = torch._C._increment_version
 _functorch_level = torch._C._functorch.peek_interpreter_stack
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 _function_modes = torch._C._is_torch_function_mode_enabled
@@ -227,7 +229,7 @@ def fused_add_rms_norm_(
     if _direct(x, residual, w):
         ops.fused_add_rms_norm_inplace(x, residual, w, eps, cast, residual_rounding)
         # What the dispatcher would have done for a mutating op: saved-tensor checks see the write.
-        torch.autograd.graph.increment_version((x, residual))
+        _increment_version((x, residual))
     else:
         _fused_inplace(x, residual, w, eps, cast, residual_rounding)
     return x, residual

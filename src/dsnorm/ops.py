@@ -318,11 +318,14 @@ def _inplace_common_case(x, residual, weight) -> bool:
     return a + nbytes <= b or b + nbytes <= a
 
 
+_INPLACE_DECODE_OPTIONS: set = set()  # (eps, cast, residual_rounding) already checked
+
+
 def fused_add_rms_norm_inplace(x, residual, weight, eps, cast, residual_rounding):
-    if isinstance(residual, torch.Tensor) and isinstance(x, torch.Tensor) and residual.dtype is x.dtype:
-        check_options(eps, cast, residual_rounding)
+    if isinstance(eps, float) and (eps, cast, residual_rounding) in _INPLACE_DECODE_OPTIONS:
+        # decode() recognises the rest (tensor types, dtypes, shapes, devices, no overlap) itself.
         done = (_decode_fn or _decode())(
-            x, residual, weight, float(eps), cast == "hf", residual_rounding == "round_first", None, True
+            x, residual, weight, eps, cast == "hf", residual_rounding == "round_first", None, True
         )
         if done is not None:
             return
@@ -331,6 +334,8 @@ def fused_add_rms_norm_inplace(x, residual, weight, eps, cast, residual_rounding
         check_inplace(x, residual)
         check_weight(weight, x)
     check_options(eps, cast, residual_rounding, torch.float32 if residual.dtype != x.dtype else None)
+    if isinstance(eps, float) and residual.dtype == x.dtype and len(_INPLACE_DECODE_OPTIONS) < 256:
+        _INPLACE_DECODE_OPTIONS.add((eps, cast, residual_rounding))
     _launcher(x).forward(
         x, residual, weight, eps, cast == "hf", residual_rounding == "round_first", x, residual, None
     )
