@@ -579,6 +579,26 @@ def _forward_parallel(
         )
 
 
+@njit(inline="always")
+def _dot(a, b, n, zero):
+    """sum(a[:n] * b[:n]) with eight interleaved accumulators (a fixed order, so deterministic):
+    one running sum would be a chain of n dependent adds, ~8x slower."""
+    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = zero
+    full = n - n % 8
+    for j in range(0, full, 8):
+        a0 += a[j] * b[j]
+        a1 += a[j + 1] * b[j + 1]
+        a2 += a[j + 2] * b[j + 2]
+        a3 += a[j + 3] * b[j + 3]
+        a4 += a[j + 4] * b[j + 4]
+        a5 += a[j + 5] * b[j + 5]
+        a6 += a[j + 6] * b[j + 6]
+        a7 += a[j + 7] * b[j + 7]
+    for j in range(full, n):
+        a0 += a[j] * b[j]
+    return ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7))
+
+
 @njit(cache=_CACHE)  # not inlined, for the same reason as _forward_rows
 def _backward_block(
     r0, r1, n, buf, g, dw,
@@ -619,10 +639,7 @@ def _backward_block(
                 buf[j] = buf[j] * rstd
                 dw[j] += g[j] * buf[j]
                 g[j] = g[j] * w32[j]
-        dot = zero
-        for j in range(n):
-            dot += g[j] * buf[j]
-        mean_dot = dot / width
+        mean_dot = _dot(g, buf, n, zero) / width
         for j in range(n):
             g[j] = rstd * (g[j] - buf[j] * mean_dot)
         if dro_addr != 0:

@@ -343,7 +343,7 @@ def fused_add_rms_norm_inplace(x, residual, weight, eps, cast, residual_rounding
 
 def rms_norm_bwd(dy, x, weight, rstd):
     x = readable_rows(x)
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    dx = _launcher(x).empty_output(x, x.dtype)
     dweight = torch.empty_like(weight)
     _launcher(x).backward(readable_rows(dy), x, None, weight, rstd, None, False, dx, None, dweight)
     return dx, dweight
@@ -352,10 +352,11 @@ def rms_norm_bwd(dy, x, weight, rstd):
 def fused_add_rms_norm_bwd(dy, x, residual, weight, rstd, dresidual_out, residual_rounding):
     x = readable_rows(x)
     residual = readable_rows(residual)
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    dresidual = torch.empty(residual.shape, dtype=residual.dtype, device=x.device)
+    launcher = _launcher(x)
+    dx = launcher.empty_output(x, x.dtype)
+    dresidual = launcher.empty_output(residual, residual.dtype)
     dweight = torch.empty_like(weight)
-    _launcher(x).backward(
+    launcher.backward(
         readable_rows(dy), x, residual, weight, rstd,
         None if dresidual_out is None else readable_rows(dresidual_out), residual_rounding == "round_first",
         dx, dresidual, dweight,
