@@ -418,34 +418,39 @@ def _level0(buf, group, count, lanes, out):
 
 
 @njit(inline="always")
-def _sum_squares_torch_order(buf, n, acc, lanes_max):
-    """sum(buf[:n]**2) in the order of ATen's CPU cascade sum (see the module docstring).
-
-    ``acc`` holds 4 levels x 4 accumulators x ``lanes_max`` lanes of the compute dtype. Level 0
-    restarts from zero after every level step, so each step's level-0 sums are computed as fresh
-    chains and then added into level 1.
-    """
+def _sum_layout(n, lanes_max):
+    """(lanes, whole vectors, groups of 4 vectors, elements per group, level power): the shape of
+    ATen's cascade for a row of ``n`` (see the module docstring)."""
     lanes = 1 if n < lanes_max else lanes_max
     nvec = n // lanes
     groups = nvec // 4
+    return lanes, nvec, groups, 4 * lanes, max(4, _ceil_log2(groups) // 4)
+
+
+@njit(inline="always")
+def _sum_step(buf, i, lanes, level_power, acc):
+    """One level step: groups [i, i + 2**level_power) into level 0 (a fresh chain: level 0 is
+    zero at every step's start), then the cascade into levels 1-3. Returns the next group."""
     width = 4 * lanes
-    level_power = max(4, _ceil_log2(groups) // 4)
     level_step = 1 << level_power
     level_mask = level_step - 1
-    for t in range(width, 4 * width):
-        acc[t] = 0.0
-    i = 0
-    while i + level_step <= groups:
-        _level0(buf, i, level_step, lanes, acc)
-        i += level_step
-        for level in range(1, 4):
-            lo = (level - 1) * width
-            hi = level * width
-            for t in range(width):
-                acc[hi + t] += acc[lo + t]
-                acc[lo + t] = 0.0
-            if (i & (level_mask << (level * level_power))) != 0:
-                break
+    _level0(buf, i, level_step, lanes, acc)
+    i += level_step
+    for level in range(1, 4):
+        lo = (level - 1) * width
+        hi = level * width
+        for t in range(width):
+            acc[hi + t] += acc[lo + t]
+            acc[lo + t] = 0.0
+        if (i & (level_mask << (level * level_power))) != 0:
+            break
+    return i
+
+
+@njit(inline="always")
+def _sum_finish(buf, n, i, lanes, nvec, groups, acc):
+    """The rest of the cascade from group ``i`` on (no whole level step left) and the final sum."""
+    width = 4 * lanes
     _level0(buf, i, groups - i, lanes, acc)
     for level in range(1, 4):
         hi = level * width
@@ -469,6 +474,45 @@ def _sum_squares_torch_order(buf, n, acc, lanes_max):
     for lane in range(lanes):
         total += acc[lane]
     return total
+
+
+@njit(inline="always")
+def _sum_squares_torch_order(buf, n, acc, lanes_max):
+    """sum(buf[:n]**2) in the order of ATen's CPU cascade sum (see the module docstring).
+
+    ``acc`` holds 4 levels x 4 accumulators x ``lanes_max`` lanes of the compute dtype.
+    """
+    lanes, nvec, groups, group_len, level_power = _sum_layout(n, lanes_max)
+    for t in range(group_len, 4 * group_len):
+        acc[t] = 0.0
+    i = 0
+    while i + (1 << level_power) <= groups:
+        i = _sum_step(buf, i, lanes, level_power, acc)
+    return _sum_finish(buf, n, i, lanes, nvec, groups, acc)
+
+
+@njit(inline="always")
+def _load_span(
+    lo, hi, buf, row, x_addr, x_stride, x_code, res_addr, res_stride, res_code,
+    rout_addr, rout_stride, rout_code, round_first, fused_one_dtype,
+):
+    """Elements [lo, hi) of a row: s = x (+ residual) into buf, residual_out stored."""
+    span = buf[lo:hi]
+    m = hi - lo
+    if res_addr == 0:
+        _load_row(x_addr, row * x_stride + lo, x_code, span, m, False)
+    elif fused_one_dtype:
+        _load_add_store_row(
+            x_addr, row * x_stride + lo, res_addr, row * res_stride + lo, rout_addr, row * rout_stride + lo,
+            x_code, span, m, round_first,
+        )
+    else:
+        _load_row(x_addr, row * x_stride + lo, x_code, span, m, False)
+        _load_row(res_addr, row * res_stride + lo, res_code, span, m, True)
+        if round_first:
+            _round_row(span, m, x_code)
+        if rout_addr != 0:
+            _store_row(rout_addr, row * rout_stride + lo, rout_code, span, m)
 
 
 # Not inlined: numba's parfor pass analyses what it inlines into a prange body and dropped the
@@ -500,22 +544,23 @@ def _forward_rows(
         res_code == x_code and rout_code == x_code and rout_addr != 0
         and (rout_addr != res_addr or x_code == BF16)
     )
+    lanes, nvec, groups, group_len, level_power = _sum_layout(n, lanes_max)
+    step_len = group_len << level_power
     for row in range(r0, r1):
-        if res_addr == 0:
-            _load_row(x_addr, row * x_stride, x_code, buf, n, False)
-        elif fused_one_dtype:
-            _load_add_store_row(
-                x_addr, row * x_stride, res_addr, row * res_stride, rout_addr, row * rout_stride,
-                x_code, buf, n, round_first,
-            )
-        else:
-            _load_row(x_addr, row * x_stride, x_code, buf, n, False)
-            _load_row(res_addr, row * res_stride, res_code, buf, n, True)
-            if round_first:
-                _round_row(buf, n, x_code)
-            if rout_addr != 0:
-                _store_row(rout_addr, row * rout_stride, rout_code, buf, n)
-        total = _sum_squares_torch_order(buf, n, acc, lanes_max)
+        # Load a level step's elements, then sum them while they are still in L1: one pass over
+        # the row instead of a load pass and a sum pass (the order of the sum is unchanged).
+        for t in range(group_len, 4 * group_len):
+            acc[t] = 0.0
+        i = 0
+        lo = 0
+        while i + (1 << level_power) <= groups:
+            _load_span(lo, lo + step_len, buf, row, x_addr, x_stride, x_code, res_addr, res_stride, res_code,
+                       rout_addr, rout_stride, rout_code, round_first, fused_one_dtype)
+            i = _sum_step(buf, i, lanes, level_power, acc)
+            lo += step_len
+        _load_span(lo, n, buf, row, x_addr, x_stride, x_code, res_addr, res_stride, res_code,
+                   rout_addr, rout_stride, rout_code, round_first, fused_one_dtype)
+        total = _sum_finish(buf, n, i, lanes, nvec, groups, acc)
         rstd = one / np.sqrt(total / width + eps)
         if rstd_addr != 0:
             if scratch.itemsize == 4:
