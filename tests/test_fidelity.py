@@ -180,7 +180,7 @@ def test_nan_inf_propagate_and_zero_rows():
 
 
 def test_nan_rounds_to_reference_bits():
-    # f32 -> bf16 rounds to nearest even and turns NaN into torch's quiet NaN: payload included.
+    # f32 -> bf16 rounds to nearest even (ties, the largest finite value) and keeps a NaN a NaN.
     x = torch.tensor([[float("nan"), 1.0, 3.0, 3.3895e38]], dtype=torch.float32)
     r = torch.tensor([[1.0, 2 ** -9, 2 ** -8 * 3, 3.3895e38]], dtype=torch.float32)
     xb, rb = x.bfloat16(), r.bfloat16()

@@ -277,9 +277,9 @@ def test_fp8_errors():
         fused_add_rms_norm_fp8(x, r, w, eps=-1.0)
     with pytest.raises(TypeError, match="return_normed"):
         rms_norm_fp8(x, w, return_normed=1)
-    with pytest.raises(TypeError):  # no such option: inference paths use DeepSeek's cast only
+    with pytest.raises(ValueError, match="cast"):  # inference paths use DeepSeek's cast only
         rms_norm_fp8(x, w, cast="hf")
-    with pytest.raises(TypeError):
+    with pytest.raises(ValueError, match="residual_rounding"):
         fused_add_rms_norm_fp8(x, r, w, residual_rounding="round_first")
     assert torch.equal(r, r_before)
     xg = x.float().requires_grad_()
@@ -452,3 +452,18 @@ def test_bench_cases_compare_equal_results():
             else:
                 assert bits_equal(ta, tb), case["name"]
         assert case["bytes"] > 0
+
+
+def test_fusions_refuse_compatibility_options_by_name():
+    import dsnorm
+
+    x = torch.randn(2, 128).bfloat16()
+    w = torch.ones(128)
+    with pytest.raises(ValueError, match="cast='hf'"):
+        dsnorm.rms_norm_fp8(x, w, cast="hf")
+    with pytest.raises(ValueError, match="residual_rounding='round_first'"):
+        dsnorm.fused_add_rms_norm_fp8(x, x.clone(), w, residual_rounding="round_first")
+    with pytest.raises(ValueError, match="residual_dtype=torch.float32"):
+        dsnorm.final_norm(x[None], x[None].clone(), w, residual_dtype=torch.float32)
+    with pytest.raises(ValueError, match="cast='hf'"):
+        dsnorm.mla_latent_norms(x, torch.randn(2, 40).bfloat16(), w, torch.ones(32), cast="hf")

@@ -227,6 +227,11 @@ def test_concurrent_calls_from_python_threads():
     shapes = [(64, 7168), (1, 1536), (300, 512), (8, 7168)]
     inputs = [(_rand(s, seed=i), _rand(s, seed=i + 10), torch.randn(s[-1])) for i, s in enumerate(shapes)]
     expected = [fused_add_rms_norm_ref(*a) for a in inputs]
+    grads = []
+    for x, _, w in inputs:  # the same gradients computed alone, before the threads start
+        xs = x.float().requires_grad_()
+        dsnorm.rms_norm(xs, w).sum().backward()
+        grads.append(xs.grad)
     errors = []
 
     def work(k):
@@ -238,6 +243,8 @@ def test_concurrent_calls_from_python_threads():
                     errors.append(f"thread {k}: wrong result")
                 xs = inputs[i][0].float().requires_grad_()
                 dsnorm.rms_norm(xs, inputs[i][2]).sum().backward()
+                if not bits_equal(xs.grad, grads[i]):
+                    errors.append(f"thread {k}: wrong gradient")
         except Exception as e:  # noqa: BLE001 (reported below)
             errors.append(f"thread {k}: {e!r}")
 
@@ -247,3 +254,88 @@ def test_concurrent_calls_from_python_threads():
     for t in workers:
         t.join()
     assert not errors, errors
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights, overlap and the backward ops' arguments (raw-pointer kernels: nothing may slip through).
+
+
+def test_strided_and_expanded_weights_are_read_correctly():
+    x = _rand((3, 64), torch.bfloat16, 11)
+    for w in (torch.randn(128)[::2], torch.tensor([1.5]).expand(64)):
+        assert not w.is_contiguous()
+        assert bits_equal(dsnorm.rms_norm(x, w), rms_norm_ref(x, w))
+        y, res = dsnorm.fused_add_rms_norm(x, x.flip(0), w)
+        y_ref, res_ref = fused_add_rms_norm_ref(x, x.flip(0), w)
+        assert bits_equal(y, y_ref) and bits_equal(res, res_ref)
+    with pytest.raises(ValueError, match="weight must be contiguous"):
+        torch.ops.dsnorm.rms_norm(x, torch.randn(128)[::2], 1e-6, "deepseek")
+
+
+@pytest.mark.parametrize("make", [
+    lambda b, r: (b[:1].expand(4, 64), r),
+    lambda b, r: (b, r[:1].expand(4, 64)),
+    lambda b, r: (b.view(-1).as_strided((4, 64), (32, 1)), r),
+])
+def test_inplace_refuses_rows_that_share_memory(make):
+    base, r = _rand((4, 64), seed=12), _rand((4, 64), seed=13)
+    base0, r0 = base.clone(), r.clone()
+    x, res = make(base, r)
+    with pytest.raises(ValueError, match="share memory"):
+        dsnorm.fused_add_rms_norm_(x, res, torch.ones(64))
+    assert torch.equal(base, base0) and torch.equal(r, r0)
+
+
+@pytest.mark.parametrize(
+    "args, exc, match",
+    [
+        (lambda x, w, r: (x[:1], x, w, r), ValueError, "dy must have shape"),
+        (lambda x, w, r: (x.float(), x, w, r), TypeError, "dy must be torch.bfloat16"),
+        (lambda x, w, r: (x, x, w, r[:1]), ValueError, "rstd must have shape"),
+        (lambda x, w, r: (x, x, w, r.double()), TypeError, "rstd must be torch.float32"),
+        (lambda x, w, r: (x, x, w[:8], r), ValueError, "weight must have shape"),
+    ],
+)
+def test_backward_ops_check_their_arguments(args, exc, match):
+    x, w, r = _rand((4, 16), seed=14), torch.ones(16), torch.ones(4)
+    with pytest.raises(exc, match=match):
+        torch.ops.dsnorm.rms_norm_bwd(*args(x, w, r))
+    with pytest.raises(exc, match=match):
+        dy, xx, ww, rr = args(x, w, r)
+        torch.ops.dsnorm.fused_add_rms_norm_bwd(dy, xx, xx.clone(), ww, rr, None, "fp32_sum")
+    with pytest.raises(ValueError, match="dresidual_out must have shape"):
+        torch.ops.dsnorm.fused_add_rms_norm_bwd(x, x, x.clone(), w, r, x[:1], "fp32_sum")
+
+
+def test_option_types_are_checked_by_name():
+    x = _rand((2, 8))
+    with pytest.raises(ValueError, match="cast must be one of"):
+        dsnorm.rms_norm(x, torch.ones(8), cast=["hf"])
+    with pytest.raises(ValueError, match="residual_rounding must be one of"):
+        dsnorm.fused_add_rms_norm(x, x, torch.ones(8), residual_rounding=["round_first"])
+    import numpy as np
+
+    assert bits_equal(dsnorm.rms_norm(x, torch.ones(8), np.float32(1e-6)), rms_norm_ref(x, torch.ones(8)))
+
+
+@pytest.mark.parametrize("capability", ["avx2", "default"])
+def test_bitwise_under_other_torch_capabilities(capability):
+    # torch's cascade sum uses 8-lane vectors under every x86 capability; dsnorm replays it.
+    code = (
+        "import torch, dsnorm\n"
+        "from dsnorm.ref import rms_norm_ref, fused_add_rms_norm_ref\n"
+        f"assert torch.backends.cpu.get_cpu_capability() == {capability.upper()!r}\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "for n in (7, 8, 111, 769, 1536, 5125, 7168, 16384):\n"
+        "    x = torch.randn(3, n, generator=g).bfloat16(); r = torch.randn(3, n, generator=g).bfloat16()\n"
+        "    w = torch.randn(n, generator=g)\n"
+        "    assert torch.equal(dsnorm.rms_norm(x, w), rms_norm_ref(x, w)), n\n"
+        "    assert all(torch.equal(a, b) for a, b in zip(dsnorm.fused_add_rms_norm(x, r, w), fused_add_rms_norm_ref(x, r, w))), n\n"
+        "    assert torch.equal(dsnorm.rms_norm(x.float(), w), rms_norm_ref(x.float(), w)), n\n"
+        "print('ok')\n"
+    )
+    import os
+
+    env = dict(os.environ, ATEN_CPU_CAPABILITY=capability)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

@@ -96,13 +96,14 @@ def _compute_weight(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    # The kernels read the gain with unit stride: a strided or expanded one is copied (it is small).
     wdtype = weight.dtype
-    if wdtype is torch.float32 and x.dtype is not torch.float64:  # the common case, in two reads
-        return weight
+    if wdtype is torch.float32 and x.dtype is not torch.float64:  # the common case, in three reads
+        return weight if weight.is_contiguous() else weight.contiguous()
     if wdtype not in ops.INPUT_DTYPES:
         raise TypeError(f"weight must be float32, bfloat16, float16 or float64, got {wdtype}")
     cdtype = compute_dtype(x.dtype) if x.dtype in ops.INPUT_DTYPES else torch.float32
-    return weight if wdtype == cdtype else weight.to(cdtype)
+    return (weight if wdtype == cdtype else weight.to(cdtype)).contiguous()
 
 
 def _flat(t: torch.Tensor, name: str) -> torch.Tensor:

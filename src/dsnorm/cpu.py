@@ -47,8 +47,8 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-# Threads: the omp layer is safe to enter from several Python threads at once (numba's default
-# workqueue layer is not); respect a layer the user chose explicitly.
+# Threads: numba's "threadsafe" layers (tbb when installed, else omp) may be entered from several
+# Python threads at once (its default workqueue layer may not); respect a layer the user chose.
 if "NUMBA_THREADING_LAYER" not in os.environ:
     numba.config.THREADING_LAYER = "threadsafe"
 
@@ -977,7 +977,8 @@ def decode(x, residual, weight, eps, cast_hf, round_first, residual_out_dtype, i
         return None
     code = _DECODE_CODES.get(x.dtype)
     shape = x.shape
-    if code is None or not (x.is_cpu and weight.is_cpu and x.is_contiguous()) or weight.dim() != 1:
+    if code is None or not (x.is_cpu and weight.is_cpu and x.is_contiguous() and weight.is_contiguous()) \
+            or weight.dim() != 1:
         return None
     n = shape[-1] if shape else 0
     numel = x.numel()

@@ -124,7 +124,7 @@ def _rms_norm_fp8_impl(x, weight, eps, scale_fmt, block_size, return_normed):
 
 def _fused_fp8_impl(x, residual, weight, eps, scale_fmt, block_size, return_normed):
     _check_fp8(x, weight, eps, scale_fmt, block_size, return_normed)
-    ops.check_residual(residual, x, None)
+    ops.check_residual(residual, x, None, fp32_hint=False)
     x = ops.readable_rows(x)
     residual = ops.readable_rows(residual)
     launcher = _launcher(x)
@@ -141,7 +141,7 @@ def _check_final(h, residual, weight, eps, lengths):
         raise ValueError(f"h must be [batch, seq, dim] (3-D), got shape {tuple(h.shape)}")
     if h.shape[1] == 0:
         raise ValueError(f"h must have at least one position (seq >= 1), got shape {tuple(h.shape)}")
-    ops.check_residual(residual, h, None)
+    ops.check_residual(residual, h, None, fp32_hint=False)
     ops.check_weight(weight, h)
     ops.check_options(eps, "deepseek")
     if lengths is not None:
@@ -193,6 +193,8 @@ def _check_latent_weight(weight, name, like, width=None):
                          f"{tuple(weight.shape)}")
     if weight.device != like.device:
         raise ValueError(f"{name} must be on {like.device}, got {weight.device}")
+    if not weight.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (unit stride) at the op level, got stride {weight.stride()}")
     if weight.dtype != ops.compute_dtype(like.dtype):
         raise TypeError(f"{name} must be {ops.compute_dtype(like.dtype)} at the op level, got {weight.dtype}; "
                         "dsnorm.fusions.mla_latent_norms upcasts other weights exactly")
@@ -247,7 +249,7 @@ def _rms_norm_fp8_fake(x, weight, eps, scale_fmt, block_size, return_normed):
 @torch.library.register_fake("dsnorm::fused_add_rms_norm_fp8", lib=lib)
 def _fused_fp8_fake(x, residual, weight, eps, scale_fmt, block_size, return_normed):
     _check_fp8(x, weight, eps, scale_fmt, block_size, return_normed)
-    ops.check_residual(residual, x, None)
+    ops.check_residual(residual, x, None, fp32_hint=False)
     q, scales, y = _fp8_outputs(x, block_size, return_normed, _fake_empty)
     return q, scales, _fake_empty(x, x.dtype), y
 
@@ -275,6 +277,17 @@ _mla_op = torch.ops.dsnorm.mla_latent_norms
 # Functional API.
 
 
+def _refuse_options(what: str, cast="deepseek", residual_rounding="fp32_sum", residual_dtype=None) -> None:
+    """The fusions take the compatibility options only to refuse other values by name."""
+    for name, value, default in (("cast", cast, "deepseek"), ("residual_rounding", residual_rounding, "fp32_sum"),
+                                 ("residual_dtype", residual_dtype, None)):
+        if value != default:
+            raise ValueError(
+                f"{what} is an inference path with DeepSeek's numerics only ({name}={default!r}); got "
+                f"{name}={value!r}: use dsnorm.rms_norm / dsnorm.fused_add_rms_norm for the compatibility options"
+            )
+
+
 def _refuse_grad(what: str, *tensors) -> None:
     if _needs_grad(*tensors):
         raise RuntimeError(
@@ -291,6 +304,7 @@ def rms_norm_fp8(
     scale_fmt: Optional[str] = None,
     block_size: int = 128,
     return_normed: bool = False,
+    cast: str = "deepseek",
 ):
     """``q, s = act_quant(y)`` with ``y = (weight * (x * rsqrt(mean(x^2) + eps))).to(x.dtype)``.
 
@@ -314,6 +328,7 @@ def rms_norm_fp8(
         float32 (``q * scale`` approximates ``y``); ``+ (y,)`` (``x.dtype``) with ``return_normed``.
     """
     w = _compute_weight(weight, x)
+    _refuse_options("rms_norm_fp8", cast)
     _refuse_grad("rms_norm_fp8", x, w)
     if _direct(x, w):
         out = _rms_norm_fp8_impl(x, w, eps, scale_fmt, block_size, return_normed)
@@ -331,6 +346,9 @@ def fused_add_rms_norm_fp8(
     scale_fmt: Optional[str] = None,
     block_size: int = 128,
     return_normed: bool = False,
+    cast: str = "deepseek",
+    residual_rounding: str = "fp32_sum",
+    residual_dtype: Optional[torch.dtype] = None,
 ):
     """``s = x.float() + residual.float()``; ``y = (weight * (s * rsqrt(mean(s^2) + eps))).to(x.dtype)``;
     ``q, scales = act_quant(y)``.
@@ -353,6 +371,7 @@ def fused_add_rms_norm_fp8(
     w = _compute_weight(weight, x)
     if not isinstance(residual, torch.Tensor):
         raise TypeError(f"residual must be a torch.Tensor, got {type(residual).__name__}")
+    _refuse_options("fused_add_rms_norm_fp8", cast, residual_rounding, residual_dtype)
     _refuse_grad("fused_add_rms_norm_fp8", x, residual, w)
     if _direct(x, residual, w):
         out = _fused_fp8_impl(x, residual, w, eps, scale_fmt, block_size, return_normed)
@@ -369,6 +388,9 @@ def final_norm(
     *,
     last_only: bool = True,
     lengths: Optional[torch.Tensor] = None,
+    cast: str = "deepseek",
+    residual_rounding: str = "fp32_sum",
+    residual_dtype: Optional[torch.dtype] = None,
 ):
     """``s = h.float() + residual.float()``; ``y = (weight * (s * rsqrt(mean(s^2) + eps))).to(h.dtype)``
     at the last (valid) position of each sequence only.
@@ -398,6 +420,7 @@ def final_norm(
         raise TypeError(f"residual must be a torch.Tensor, got {type(residual).__name__}")
     if lengths is not None and not isinstance(lengths, torch.Tensor):
         raise TypeError(f"lengths must be a torch.Tensor or None, got {type(lengths).__name__}")
+    _refuse_options("final_norm", cast, residual_rounding, residual_dtype)
     _refuse_grad("final_norm", h, residual, w)
     if not last_only:
         if lengths is not None:
@@ -417,6 +440,8 @@ def mla_latent_norms(
     q_weight: torch.Tensor,
     kv_weight: torch.Tensor,
     eps: float = EPS,
+    *,
+    cast: str = "deepseek",
 ):
     """``q_norm(q_latent)`` and ``kv_norm(kv_a[..., :r])``, ``r = kv_weight.shape[0]``, each
     ``y = (weight * (x * rsqrt(mean(x^2) + eps))).to(x.dtype)``, in one kernel launch.
@@ -442,6 +467,7 @@ def mla_latent_norms(
     wkv = _compute_weight(kv_weight, q_latent)
     if not isinstance(kv_a, torch.Tensor):
         raise TypeError(f"kv_a must be a torch.Tensor, got {type(kv_a).__name__}")
+    _refuse_options("mla_latent_norms", cast)
     _refuse_grad("mla_latent_norms", q_latent, kv_a, wq, wkv)
     if _direct(q_latent, kv_a, wq, wkv):
         return _mla_impl(q_latent, kv_a, wq, wkv, eps)

@@ -24,6 +24,7 @@ CUDA key the Triton kernels (:mod:`dsnorm.triton.launch`, imported on first CUDA
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -63,15 +64,18 @@ _OPTIONS_OK: set = set()
 
 def check_options(eps, cast, residual_rounding="fp32_sum", residual_dtype=None) -> None:
     key = (type(eps), eps, cast, residual_rounding, residual_dtype)
-    if key in _OPTIONS_OK:
-        return
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
+    try:
+        if key in _OPTIONS_OK:
+            return
+    except TypeError:  # an unhashable option: the checks below name it
+        pass
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not math.isfinite(eps) or eps <= 0:
         raise ValueError(f"eps must be a finite number > 0, got {eps!r}")
-    if cast not in CASTS:
+    if not isinstance(cast, str) or cast not in CASTS:
         raise ValueError(f"cast must be one of {CASTS}, got {cast!r}")
-    if residual_rounding not in RESIDUAL_ROUNDINGS:
+    if not isinstance(residual_rounding, str) or residual_rounding not in RESIDUAL_ROUNDINGS:
         raise ValueError(f"residual_rounding must be one of {RESIDUAL_ROUNDINGS}, got {residual_rounding!r}")
-    if residual_dtype not in (None, torch.float32):
+    if residual_dtype is not None and residual_dtype is not torch.float32:
         raise ValueError(f"residual_dtype must be None (x.dtype) or torch.float32, got {residual_dtype!r}")
     if residual_rounding == "round_first" and residual_dtype is not None:
         raise ValueError(
@@ -102,6 +106,11 @@ def check_weight(weight: torch.Tensor, x: torch.Tensor) -> None:
         )
     if weight.device != x.device:
         raise ValueError(f"weight must be on x's device {x.device}, got {weight.device}")
+    if not weight.is_contiguous():
+        raise ValueError(
+            f"weight must be contiguous (unit stride) at the op level, got stride {weight.stride()}; "
+            "dsnorm.rms_norm and friends make it so"
+        )
     if weight.dtype != compute_dtype(x.dtype):
         raise TypeError(
             f"weight must be {compute_dtype(x.dtype)} (the compute dtype for x of {x.dtype}) at the op "
@@ -109,7 +118,8 @@ def check_weight(weight: torch.Tensor, x: torch.Tensor) -> None:
         )
 
 
-def check_residual(residual: torch.Tensor, x: torch.Tensor, residual_dtype, name: str = "residual") -> None:
+def check_residual(residual: torch.Tensor, x: torch.Tensor, residual_dtype, name: str = "residual",
+                   fp32_hint: bool = True) -> None:
     if not isinstance(residual, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(residual).__name__}")
     if residual.shape != x.shape:
@@ -120,7 +130,7 @@ def check_residual(residual: torch.Tensor, x: torch.Tensor, residual_dtype, name
     if residual.dtype not in allowed:
         want = " or ".join(str(d) for d in dict.fromkeys(allowed))
         hint = ""
-        if residual.dtype == torch.float32:
+        if residual.dtype == torch.float32 and fp32_hint:
             hint = "; pass residual_dtype=torch.float32 to carry an fp32 residual stream"
         raise TypeError(f"{name} must be {want} (residual_dtype={residual_dtype}), got {residual.dtype}{hint}")
 
@@ -203,6 +213,7 @@ def _common_case(x, weight) -> bool:
         and weight.dim() == 1
         and x.dim() >= 1
         and x.shape[-1] == weight.shape[0] > 0
+        and weight.is_contiguous()
         and (x.is_cpu if weight.is_cpu else weight.device == x.device)
     )
 
@@ -288,8 +299,24 @@ def check_inplace(x, residual) -> None:
                 f"{name} must have unit-stride rows with one stride between them to be written in place, "
                 f"got shape {tuple(t.shape)} and strides {t.stride()}"
             )
+    for name, t in (("x", x), ("residual", residual)):
+        # Rows that share memory (an expanded or overlapping view) would be written twice.
+        if _rows_overlap(t):
+            raise ValueError(f"{name} has elements that share memory (an expanded or overlapping view); "
+                             "it cannot be written in place")
     if _overlaps(x, residual):
         raise ValueError("x and residual must not share memory in the in-place form")
+
+
+def _rows_overlap(t: torch.Tensor) -> bool:
+    """Whether two rows of a rows-viewable tensor share memory (a row stride below the width)."""
+    n = t.shape[-1]
+    if t.numel() <= n:
+        return False
+    for size, stride in zip(reversed(t.shape[:-1]), reversed(t.stride()[:-1])):
+        if size != 1:
+            return stride < n
+    return False
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -341,7 +368,32 @@ def fused_add_rms_norm_inplace(x, residual, weight, eps, cast, residual_rounding
     )
 
 
+def _check_like(t, name, x, dtypes, shape=None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    want = tuple(x.shape) if shape is None else tuple(shape)
+    if tuple(t.shape) != want:
+        raise ValueError(f"{name} must have shape {want}, got {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name} must be {' or '.join(str(d) for d in dtypes)}, got {t.dtype}")
+    if t.device != x.device:
+        raise ValueError(f"{name} must be on x's device {x.device}, got {t.device}")
+
+
+def check_backward(dy, x, weight, rstd, residual=None, dresidual_out=None) -> None:
+    """The backward ops read raw rows: every tensor's shape, dtype and device against x's."""
+    check_input(x)
+    check_weight(weight, x)
+    _check_like(dy, "dy", x, (x.dtype,))
+    _check_like(rstd, "rstd", x, (compute_dtype(x.dtype),), x.shape[:-1])
+    if residual is not None:
+        check_residual(residual, x, torch.float32)
+    if dresidual_out is not None:
+        _check_like(dresidual_out, "dresidual_out", x, tuple(dict.fromkeys((x.dtype, torch.float32))))
+
+
 def rms_norm_bwd(dy, x, weight, rstd):
+    check_backward(dy, x, weight, rstd)
     x = readable_rows(x)
     dx = _launcher(x).empty_output(x, x.dtype)
     dweight = torch.empty_like(weight)
@@ -350,6 +402,8 @@ def rms_norm_bwd(dy, x, weight, rstd):
 
 
 def fused_add_rms_norm_bwd(dy, x, residual, weight, rstd, dresidual_out, residual_rounding):
+    check_backward(dy, x, weight, rstd, residual, dresidual_out)
+    check_options(1.0, "deepseek", residual_rounding)
     x = readable_rows(x)
     residual = readable_rows(residual)
     launcher = _launcher(x)
@@ -410,18 +464,23 @@ def _fused_fake(x, residual, weight, eps, cast, residual_rounding, residual_dtyp
 @torch.library.register_fake("dsnorm::fused_add_rms_norm_", lib=lib)
 def _fused_inplace_fake(x, residual, weight, eps, cast, residual_rounding):
     check_input(x)
+    if not isinstance(residual, torch.Tensor):
+        raise TypeError(f"residual must be a torch.Tensor, got {type(residual).__name__}")
+    check_residual(residual, x, torch.float32 if residual.dtype == torch.float32 else None)
     check_weight(weight, x)
-    check_options(eps, cast, residual_rounding)
+    check_options(eps, cast, residual_rounding, torch.float32 if residual.dtype != x.dtype else None)
     return None
 
 
 @torch.library.register_fake("dsnorm::rms_norm_bwd", lib=lib)
 def _rms_norm_bwd_fake(dy, x, weight, rstd):
+    check_backward(dy, x, weight, rstd)
     return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(weight)
 
 
 @torch.library.register_fake("dsnorm::fused_add_rms_norm_bwd", lib=lib)
 def _fused_bwd_fake(dy, x, residual, weight, rstd, dresidual_out, residual_rounding):
+    check_backward(dy, x, weight, rstd, residual, dresidual_out)
     return (
         torch.empty_like(x, memory_format=torch.contiguous_format),
         torch.empty_like(residual, memory_format=torch.contiguous_format),
