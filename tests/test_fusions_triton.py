@@ -22,21 +22,9 @@ import textwrap
 import pytest
 import torch
 
-_PRIOR_INTERPRET = os.environ.get("TRITON_INTERPRET")
-_TRITON_PREIMPORTED = "triton" in sys.modules
-os.environ["TRITON_INTERPRET"] = "1"
-triton = pytest.importorskip("triton", reason="triton is not installed (the GPU extra: pip install dsnorm[gpu])")
-if tuple(int(part) for part in triton.__version__.split(".")[:2]) < (3, 9):
-    # Measured with Triton 3.6 (the GPU image's): its interpreter cannot run a Python ``range``
-    # whose bounds are kernel values (``for row in range(row_begin, row_end)``: "TypeError: only
-    # 0-dimensional arrays can be converted to Python scalars"); the compiler can, and
-    # test_triton_compile.py compiles these kernels with 3.6 too.
-    if _PRIOR_INTERPRET is None:  # leave the variable as this module found it
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = _PRIOR_INTERPRET
-    pytest.skip(f"Triton {triton.__version__}'s interpreter cannot loop over kernel-valued range bounds "
-                "(needs the 3.9 interpreter)", allow_module_level=True)
+from triton_interpreter import interpreted_triton, restore_interpret  # noqa: E402
+
+triton, _PRIOR_INTERPRET, _TRITON_PREIMPORTED = interpreted_triton()
 import triton.language as tl  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
@@ -64,10 +52,7 @@ def _scales_kernel(F32_IN, F32_OUT, NB: tl.constexpr, QBLOCK: tl.constexpr, UE8M
 
 
 if _TRITON_PREIMPORTED:
-    if _PRIOR_INTERPRET is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = _PRIOR_INTERPRET
+    restore_interpret(_PRIOR_INTERPRET)
 
 from dsnorm import fusions  # noqa: E402
 from dsnorm.fusions import act_quant_ref  # noqa: E402

@@ -311,7 +311,8 @@ def rms_norm_fp8(
     The norm and DeepSeek's per-row fp8 block quantisation of the next Linear's input in one pass:
     bitwise ``act_quant_ref(rms_norm(x, weight, eps), block_size, scale_fmt)``. The quantisation
     reads ``y`` rounded to ``x.dtype`` (what the two-step model computes). Inference only: forward,
-    DeepSeek cast order; no ``cast`` option; tensors requiring grad (grad mode on) are refused.
+    DeepSeek cast order (``cast`` other than ``"deepseek"`` is refused by name); tensors requiring
+    grad (grad mode on) are refused.
 
     Args:
         x: ``[..., n]`` bfloat16 / float16 / float32, ``n`` a multiple of ``block_size``; rows may
@@ -355,8 +356,9 @@ def fused_add_rms_norm_fp8(
 
     Bitwise ``act_quant_ref(y)`` with ``y, residual_out = fused_add_rms_norm(x, residual, weight,
     eps)``. Inference only: forward, DeepSeek cast order and the default residual options (the
-    unrounded fp32 sum is normalised, the residual is in ``x.dtype``); no ``cast`` /
-    ``residual_rounding`` / ``residual_dtype`` options; tensors requiring grad are refused.
+    unrounded fp32 sum is normalised, the residual is in ``x.dtype``): other ``cast`` /
+    ``residual_rounding`` / ``residual_dtype`` values are refused by name; tensors requiring grad
+    are refused.
 
     Args:
         x: ``[..., n]`` bfloat16 / float16 / float32, ``n`` a multiple of ``block_size``.
