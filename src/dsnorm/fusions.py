@@ -8,8 +8,9 @@
 All four are **inference-only** paths: forward only (tensors that require grad, with grad mode on,
 are refused), DeepSeek's cast order (fp32 weight times fp32 x̂, rounded once to ``x.dtype``), and
 the default residual options (the unrounded fp32 sum is normalised; the residual stream is in
-``x.dtype``). ``cast``, ``residual_rounding`` and ``residual_dtype`` are deliberately not offered;
-use :func:`dsnorm.rms_norm` / :func:`dsnorm.fused_add_rms_norm` for those.
+``x.dtype``). ``cast``, ``residual_rounding`` and ``residual_dtype`` are accepted only at their
+defaults, so that other values are refused by name; use :func:`dsnorm.rms_norm` /
+:func:`dsnorm.fused_add_rms_norm` for those.
 
 Each has a ``torch.ops.dsnorm`` op (CPU: numba, :mod:`dsnorm.cpu_fusions`; CUDA: Triton,
 :mod:`dsnorm.triton.fusions`) with checks shared by the real and fake impls. The eager reference
