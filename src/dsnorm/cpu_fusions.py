@@ -407,3 +407,46 @@ def _e4m3_array(values, out):
 def _ue8m0_array(values, out):
     for i in range(values.shape[0]):
         out[i] = _ue8m0(values[i])
+
+
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+_MLA_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def mla_decode(q_latent, kv_a, q_weight, kv_weight, eps):
+    """``(q_out, kv_out)`` for small contiguous CPU decode inputs with fp32 weights, or None.
+
+    Like :func:`dsnorm.cpu.decode`: it only recognises the common case (reading each attribute
+    once, where fusions._check_mla's full checks cost more than the two norms); anything else,
+    bad input included, returns None and takes the general, checked path. eps must be valid.
+    """
+    if not (type(q_latent) in _PLAIN_TYPES and type(kv_a) in _PLAIN_TYPES
+            and type(q_weight) in _PLAIN_TYPES and type(kv_weight) in _PLAIN_TYPES):
+        return None
+    dtype = q_latent.dtype
+    if dtype not in _MLA_DTYPES or kv_a.dtype is not dtype:
+        return None
+    if q_weight.dtype is not torch.float32 or kv_weight.dtype is not torch.float32:
+        return None
+    if not (q_latent.is_cpu and kv_a.is_cpu and q_weight.is_cpu and kv_weight.is_cpu):
+        return None
+    if not (q_latent.is_contiguous() and kv_a.is_contiguous() and q_weight.is_contiguous()
+            and kv_weight.is_contiguous()) or q_weight.dim() != 1 or kv_weight.dim() != 1:
+        return None
+    q_shape, kv_shape = q_latent.shape, kv_a.shape
+    if len(q_shape) < 1 or len(kv_shape) != len(q_shape) or q_shape[:-1] != kv_shape[:-1]:
+        return None
+    nq, nkv, kv_width = q_shape[-1], kv_weight.shape[0], kv_shape[-1]
+    if nq == 0 or nkv == 0 or q_weight.shape[0] != nq or nkv > kv_width:
+        return None
+    rows = q_latent.numel() // nq
+    if rows == 0 or rows * max(nq, nkv) >= SERIAL_NUMEL:
+        return None
+    q_out = torch.empty_like(q_latent)
+    kv_out = torch.empty((*kv_shape[:-1], nkv), dtype=dtype)
+    _run(
+        _mla_serial, False, rows, _scratch(1, max(nq, nkv) + ACC_SLOTS, np.float32), DTYPE_CODES[dtype], eps,
+        nq, q_latent.data_ptr(), nq, q_weight.data_ptr(), q_out.data_ptr(),
+        nkv, kv_a.data_ptr(), kv_width, kv_weight.data_ptr(), kv_out.data_ptr(),
+    )
+    return q_out, kv_out

@@ -437,6 +437,13 @@ def final_norm(
     return tuple(_final_op(h, residual, w, eps, lengths))
 
 
+def _mla_decode():
+    # Imported on first use: importing dsnorm loads no numba.
+    from dsnorm.cpu_fusions import mla_decode
+
+    return mla_decode
+
+
 def mla_latent_norms(
     q_latent: torch.Tensor,
     kv_a: torch.Tensor,
@@ -473,6 +480,10 @@ def mla_latent_norms(
     _refuse_options("mla_latent_norms", cast)
     _refuse_grad("mla_latent_norms", q_latent, kv_a, wq, wkv)
     if _direct(q_latent, kv_a, wq, wkv):
+        ops.check_options(eps, "deepseek")
+        out = _mla_decode()(q_latent, kv_a, wq, wkv, float(eps))
+        if out is not None:
+            return out
         return _mla_impl(q_latent, kv_a, wq, wkv, eps)
     return tuple(_mla_op(q_latent, kv_a, wq, wkv, eps))
 
