@@ -15,14 +15,12 @@ A last test compiles the kernels ahead of time for sm_90 (front end, and IEEE di
 
 import importlib
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 
-from triton_interpreter import interpreted_triton, restore_interpret  # noqa: E402
+from triton_interpreter import interpreted_triton, ptxas_available, restore_interpret, run_compiled  # noqa: E402
 
 triton, _PRIOR_INTERPRET, _TRITON_PREIMPORTED = interpreted_triton()
 import triton.language as tl  # noqa: E402
@@ -72,10 +70,7 @@ def _reload(modules, interpret: bool) -> None:
         for module in modules:
             importlib.reload(module)
     finally:
-        if prior is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = prior
+        restore_interpret(prior)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -414,17 +409,6 @@ COMPILE_SCRIPT = textwrap.dedent(
 )
 
 
-def _ptxas_available() -> bool:
-    try:
-        from triton.backends.nvidia.compiler import get_ptxas  # noqa: F401
-    except Exception:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _ptxas_available(), reason="Triton's NVIDIA backend (ptxas) is not available")
+@pytest.mark.skipif(not ptxas_available(), reason="Triton's NVIDIA backend (ptxas) is not available")
 def test_fusion_kernels_compile_for_sm90():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    proc = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0 and "ALL OK" in proc.stdout, proc.stderr[-4000:]
+    run_compiled(COMPILE_SCRIPT)

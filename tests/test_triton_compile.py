@@ -13,12 +13,10 @@ Runs in a subprocess so that Triton is imported compiled even when the interpret
 this process.
 """
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from triton_interpreter import ptxas_available, run_compiled
 
 triton = pytest.importorskip("triton", reason="triton is not installed (the GPU extra: pip install dsnorm[gpu])")
 
@@ -101,17 +99,6 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def _ptxas_available() -> bool:
-    try:
-        from triton.backends.nvidia.compiler import get_ptxas  # noqa: F401
-    except Exception:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _ptxas_available(), reason="Triton's NVIDIA backend (ptxas) is not available")
+@pytest.mark.skipif(not ptxas_available(), reason="Triton's NVIDIA backend (ptxas) is not available")
 def test_kernels_compile_for_sm90():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns when unset
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0 and "ALL OK" in proc.stdout, proc.stderr[-4000:]
+    run_compiled(SCRIPT)

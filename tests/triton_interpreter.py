@@ -40,3 +40,23 @@ def interpreted_triton():
         pytest.skip(f"Triton {triton.__version__}'s interpreter cannot loop over kernel-valued range bounds "
                     "(needs the 3.9 interpreter)", allow_module_level=True)
     return triton, prior, preimported
+
+
+def ptxas_available() -> bool:
+    """Whether Triton's NVIDIA backend (with its bundled ptxas) can compile ahead of time here."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def run_compiled(script: str) -> None:
+    """Run a compile script in a fresh interpreter, so that Triton is imported compiled even when
+    an interpreter module ran in this process; the script prints "ALL OK" when every check held."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns when unset
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "ALL OK" in proc.stdout, proc.stderr[-4000:]

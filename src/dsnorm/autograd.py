@@ -67,7 +67,7 @@ class FusedAddRMSNormFunction(torch.autograd.Function):
         return dx, dresidual, dweight, None, None, None, None
 
 
-_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+_PLAIN_TYPES = ops.PLAIN_TYPES
 # torch.autograd.graph.increment_version without its Python wrapper (this runs per decode call).
 _increment_version = torch._C._increment_version
 _functorch_level = torch._C._functorch.peek_interpreter_stack

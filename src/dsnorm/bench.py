@@ -610,42 +610,37 @@ def build_flashinfer(case, inp, ctx) -> Runner:
                   nbytes=case_bytes(case), gains="input", note="in place, bf16 weight")
 
 
-def build_liger(case, inp, ctx) -> Runner:
+def _cuda_plain_peer(name, case, inp, ctx, make_fn) -> Runner:
+    """A GPU peer wired for the plain form only: ``make_fn(w)`` imports it and returns ``fn(x)``."""
     if ctx.device.type != "cuda":
         raise Unavailable("CUDA only")
     if case.backward:
         raise Unavailable("not measured with --backward")
     try:
-        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+        fn = make_fn(inp.gains)
     except Exception as e:
         raise Unavailable(f"not importable: {type(e).__name__}")
     if case.form != "plain":
         raise Unavailable("fused form not wired")
-    w = inp.gains
+    return Runner(name, "peer", fn, _const(inp.x), lambda: (fn(inp.x), None), nbytes=case_bytes(case))
 
-    def fn(x):
-        return LigerRMSNormFunction.apply(x, w, EPS, 0.0, "llama", False)
 
-    return Runner("liger", "peer", fn, _const(inp.x), lambda: (fn(inp.x), None), nbytes=case_bytes(case))
+def build_liger(case, inp, ctx) -> Runner:
+    def make_fn(w):
+        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+
+        return lambda x: LigerRMSNormFunction.apply(x, w, EPS, 0.0, "llama", False)
+
+    return _cuda_plain_peer("liger", case, inp, ctx, make_fn)
 
 
 def build_quack(case, inp, ctx) -> Runner:
-    if ctx.device.type != "cuda":
-        raise Unavailable("CUDA only")
-    if case.backward:
-        raise Unavailable("not measured with --backward")
-    try:
+    def make_fn(w):
         from quack.rmsnorm import rmsnorm
-    except Exception as e:
-        raise Unavailable(f"not importable: {type(e).__name__}")
-    if case.form != "plain":
-        raise Unavailable("fused form not wired")
-    w = inp.gains
 
-    def fn(x):
-        return rmsnorm(x, w, eps=EPS)
+        return lambda x: rmsnorm(x, w, eps=EPS)
 
-    return Runner("quack", "peer", fn, _const(inp.x), lambda: (fn(inp.x), None), nbytes=case_bytes(case))
+    return _cuda_plain_peer("quack", case, inp, ctx, make_fn)
 
 
 # Timing order within a round rotates, so this order only fixes the table's.

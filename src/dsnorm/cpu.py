@@ -47,6 +47,8 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
+from dsnorm.ops import PLAIN_TYPES as _PLAIN_TYPES
+
 # Threads: numba's "threadsafe" layers (tbb when installed, else omp) may be entered from several
 # Python threads at once (its default workqueue layer may not); respect a layer the user chose.
 if "NUMBA_THREADING_LAYER" not in os.environ:
@@ -474,21 +476,6 @@ def _sum_finish(buf, n, i, lanes, nvec, groups, acc):
     for lane in range(lanes):
         total += acc[lane]
     return total
-
-
-@njit(inline="always")
-def _sum_squares_torch_order(buf, n, acc, lanes_max):
-    """sum(buf[:n]**2) in the order of ATen's CPU cascade sum (see the module docstring).
-
-    ``acc`` holds 4 levels x 4 accumulators x ``lanes_max`` lanes of the compute dtype.
-    """
-    lanes, nvec, groups, group_len, level_power = _sum_layout(n, lanes_max)
-    for t in range(group_len, 4 * group_len):
-        acc[t] = 0.0
-    i = 0
-    while i + (1 << level_power) <= groups:
-        i = _sum_step(buf, i, lanes, level_power, acc)
-    return _sum_finish(buf, n, i, lanes, nvec, groups, acc)
 
 
 @njit(inline="always")
@@ -1025,5 +1012,3 @@ def _compile_decode() -> None:
     _run(_decode32, None, 1, 1, F32, x.ctypes.data, 0, w.ctypes.data, x.ctypes.data, 0, 1e-6, False, False)
     _decode_entry = next(iter(_decode32.overloads.values())).entry_point
 
-
-_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)

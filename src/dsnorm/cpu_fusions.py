@@ -2,7 +2,7 @@
 the last valid position, and the two MLA latent norms in one launch.
 
 Every norm here *is* the core's: each kernel calls :func:`dsnorm.cpu._forward_rows` (load / add,
-``_sum_squares_torch_order``, ``rstd``, the scaled value rounded once to ``x.dtype``), so ``y`` and
+the torch-order sum (``_sum_step`` / ``_sum_finish``), ``rstd``, the scaled value rounded once to ``x.dtype``), so ``y`` and
 ``residual_out`` are bitwise those of ``dsnorm.rms_norm`` / ``dsnorm.fused_add_rms_norm``. What is
 new is only around it:
 
@@ -31,6 +31,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from dsnorm import cpu
+from dsnorm.ops import PLAIN_TYPES as _PLAIN_TYPES
 from dsnorm.cpu import (
     ACC_SLOTS,
     DTYPE_CODES,
@@ -409,7 +410,6 @@ def _ue8m0_array(values, out):
         out[i] = _ue8m0(values[i])
 
 
-_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 _MLA_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 

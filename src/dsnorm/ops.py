@@ -31,6 +31,8 @@ import torch
 from dsnorm.ref import CASTS, RESIDUAL_ROUNDINGS, compute_dtype
 
 INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+# Tensor types whose data the kernels may be handed directly (no subclass with its own dispatch).
+PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 lib = torch.library.Library("dsnorm", "DEF")  # noqa: TOR901 (kept alive for the process)
 lib.define("rms_norm(Tensor x, Tensor weight, float eps, str cast) -> Tensor")
