@@ -132,6 +132,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = EPS, *, cast: s
     Returns:
         ``y``: ``[..., n]`` in ``x.dtype``, contiguous.
     """
+    lane = ops.lane
+    if lane is not None:
+        y = lane(0, x, None, weight, eps, cast, None, None)  # 0: ops.LANE_PLAIN
+        if y is not None:
+            return y
     w = _compute_weight(weight, x)
     if not _needs_grad(x, w):
         if _direct(x, w):
@@ -171,6 +176,11 @@ def fused_add_rms_norm(
         ``(y, residual_out)``: ``y`` in ``x.dtype``; ``residual_out = s`` in ``residual_dtype``
         (``x.dtype`` by default), both fresh contiguous ``[..., n]`` tensors.
     """
+    lane = ops.lane
+    if lane is not None:
+        out = lane(1, x, residual, weight, eps, cast, residual_rounding, residual_dtype)  # 1: ops.LANE_FUSED
+        if out is not None:
+            return out
     w = _compute_weight(weight, x)
     if not isinstance(residual, torch.Tensor):
         raise TypeError(f"residual must be a torch.Tensor, got {type(residual).__name__}")
@@ -212,6 +222,11 @@ def fused_add_rms_norm_(
     Returns:
         ``(x, residual)``, the same tensor objects.
     """
+    lane = ops.lane
+    if lane is not None:
+        out = lane(2, x, residual, weight, eps, cast, residual_rounding, residual_dtype)  # 2: ops.LANE_INPLACE
+        if out is not None:
+            return out
     w = _compute_weight(weight, x)
     if not isinstance(residual, torch.Tensor):
         raise TypeError(f"residual must be a torch.Tensor, got {type(residual).__name__}")

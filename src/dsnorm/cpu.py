@@ -927,9 +927,34 @@ def _make_madvise():
 _madvise = _make_madvise()
 
 
+# Mid-sized outputs (64 KiB to 32 MiB) come from glibc's heap, not from mmap, once glibc has seen
+# a freed block that large, and glibc hands the top of its heap back to the OS whenever more than
+# its trim threshold (twice that block) lies free there. A fused call frees two or more such
+# outputs together, which can exceed the threshold: then every call returns the pages and faults
+# them back in (measured at [64, 1, 7168] bf16: 416 faults and 560 µs a call instead of 60 µs, in
+# four runs out of five, depending on the heap's layout). One freed block of ``_PRIME_OUTPUTS``
+# times an output's size raises glibc's thresholds above what a call frees, the adjustment glibc
+# makes by itself when a program frees such a block; the block is never touched, so it costs an
+# mmap/munmap once per new size. Outputs stay separate fresh tensors.
+_PRIME_MIN_BYTES = 64 << 10
+_PRIME_MAX_BYTES = 32 << 20  # glibc's largest dynamic mmap threshold: bigger blocks are always mmap'd
+_PRIME_OUTPUTS = 4
+_primed_bytes = 0
+
+
+def _prime_heap(nbytes: int) -> None:
+    global _primed_bytes
+    block = min(_PRIME_OUTPUTS * nbytes, _PRIME_MAX_BYTES)
+    if block > _primed_bytes:
+        torch.empty(block, dtype=torch.uint8)  # freed at once
+        _primed_bytes = block
+
+
 def empty_output(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A fresh, contiguous, uninitialised CPU tensor of ``like``'s shape; large ones advised for
     huge pages before their first touch."""
+    if like.numel() * dtype.itemsize >= _PRIME_MIN_BYTES:
+        _prime_heap(like.numel() * dtype.itemsize)
     if like.is_contiguous():
         out = torch.empty_like(like, dtype=dtype)
     else:
@@ -1004,11 +1029,93 @@ def decode(x, residual, weight, eps, cast_hf, round_first, residual_out_dtype, i
 _decode_entry = None
 
 
-def _compile_decode() -> None:
-    """Compile (or load) the decode kernel once, then keep its entry point."""
+def _compile_decode():
+    """Compile (or load) the decode kernel once, then keep (and return) its entry point."""
     global _decode_entry
     x = np.zeros(1, dtype=np.float32)
     w = np.ones(1, dtype=np.float32)
     _run(_decode32, None, 1, 1, F32, x.ctypes.data, 0, w.ctypes.data, x.ctypes.data, 0, 1e-6, False, False)
     _decode_entry = next(iter(_decode32.overloads.values())).entry_point
+    return _decode_entry
 
+
+# ---------------------------------------------------------------------------------------------
+# The fast lane: the public functions' and the module's path for the same small calls, before any
+# of their own work. On top of what ``decode`` recognises it proves what the functional API
+# would otherwise establish step by step: no gradient to record, no compile/functorch/mode in
+# effect (so the op's implementation is what the dispatcher would run), an fp32 weight and valid
+# options. A decode norm is then one attribute pass, one allocation and the kernel (the goal is
+# within 2x of a ``torch.add`` of the same tensor, ~1.2 µs here). Returns None otherwise.
+
+_is_grad_enabled = torch.is_grad_enabled
+_is_compiling = torch.compiler.is_compiling
+_functorch_level = torch._C._functorch.peek_interpreter_stack
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_function_modes = torch._C._is_torch_function_mode_enabled
+_increment_version = torch._C._increment_version
+_INF = float("inf")
+_CASTS_HF = {"deepseek": False, "hf": True}
+_ROUNDINGS_FIRST = {"fp32_sum": False, "round_first": True}
+PLAIN, FUSED, INPLACE = 0, 1, 2
+
+
+def lane(form, x, residual, weight, eps, cast, residual_rounding, residual_dtype):
+    """The result of a small contiguous call that needs only the kernel, or None.
+
+    ``form`` is PLAIN (returns ``y``; residual and its options are ignored), FUSED (``(y,
+    residual_out)``) or INPLACE (``(x, residual)``, written). The checks are written out in one
+    function: at ~40 ns per tensor attribute and ~0.1 µs per Python call, they are most of a
+    decode norm.
+    """
+    if type(x) not in _PLAIN_TYPES or type(weight) not in _PLAIN_TYPES:
+        return None
+    if _is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return None
+    if _is_compiling() or _functorch_level() is not None or _dispatch_modes() or _function_modes():
+        return None
+    dtype = x.dtype
+    code = _DECODE_CODES.get(dtype)
+    if code is None or weight.dtype is not _F32 or type(eps) is not float or not 0.0 < eps < _INF:
+        return None
+    if not (x.is_cpu and weight.is_cpu and x.is_contiguous() and weight.is_contiguous()):
+        return None
+    numel = x.numel()
+    n = weight.numel()
+    shape = x.shape
+    if not 0 < numel < SERIAL_NUMEL or weight.ndim != 1 or not shape or shape[-1] != n:
+        return None
+    cast_hf = _CASTS_HF.get(cast) if type(cast) is str else None
+    if cast_hf is None:
+        return None
+    entry = _decode_entry or _compile_decode()
+    if form == PLAIN:
+        y = torch.empty_like(x)
+        entry(numel // n, n, code, x.data_ptr(), 0, weight.data_ptr(), y.data_ptr(), 0, eps, cast_hf, False)
+        return y
+    # The residual: x's dtype and shape, contiguous, on the CPU (an fp32 stream of a narrower x
+    # and every refusal take the general path, which names the problem).
+    if type(residual) not in _PLAIN_TYPES or residual.dtype is not dtype:
+        return None
+    if not (residual.is_cpu and residual.is_contiguous()) or residual.shape != shape:
+        return None
+    if _is_grad_enabled() and residual.requires_grad:
+        return None
+    round_first = _ROUNDINGS_FIRST.get(residual_rounding) if type(residual_rounding) is str else None
+    if round_first is None or (residual_dtype is not None and (dtype is not _F32 or residual_dtype is not _F32
+                                                               or round_first)):
+        return None
+    if form == FUSED:
+        y = torch.empty_like(x)
+        residual_out = torch.empty_like(x)
+        entry(numel // n, n, code, x.data_ptr(), residual.data_ptr(), weight.data_ptr(), y.data_ptr(),
+              residual_out.data_ptr(), eps, cast_hf, round_first)
+        return y, residual_out
+    x_addr = x.data_ptr()
+    r_addr = residual.data_ptr()
+    nbytes = numel * x.element_size()
+    if not (x_addr + nbytes <= r_addr or r_addr + nbytes <= x_addr):
+        return None
+    entry(numel // n, n, code, x_addr, r_addr, weight.data_ptr(), x_addr, r_addr, eps, cast_hf, round_first)
+    # What the dispatcher does for a mutating op: saved-tensor checks see the write.
+    _increment_version((x, residual))
+    return x, residual

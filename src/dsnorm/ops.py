@@ -252,16 +252,21 @@ def _fused(x, residual, weight, eps, cast, residual_rounding, residual_dtype, sa
 
 
 def _decode():
-    # The CPU module's decode fast path (imported on first use: importing dsnorm loads no numba).
-    global _decode_fn
+    # The CPU module's decode fast path (imported on first use: importing dsnorm loads no numba),
+    # and the fast lane the functional API and the module try first from then on.
+    global _decode_fn, lane
     if _decode_fn is None:
         from dsnorm import cpu
 
+        lane = cpu.lane
         _decode_fn = cpu.decode
     return _decode_fn
 
 
 _decode_fn = None
+# Set by _decode(): dsnorm.cpu.lane, None until the CPU kernels are first used.
+lane = None
+LANE_PLAIN, LANE_FUSED, LANE_INPLACE = 0, 1, 2  # dsnorm.cpu.PLAIN, FUSED, INPLACE
 
 
 def rms_norm(x, weight, eps, cast):

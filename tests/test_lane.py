@@ -1,0 +1,201 @@
+"""The fast lane (dsnorm.cpu.lane) and RMSNorm.__call__: same bits and same refusals as the
+general path, and they step aside for everything the general path exists for (autograd,
+dispatch modes, hooks, bad arguments)."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import dsnorm
+from dsnorm import ops
+from dsnorm.ref import RMSNormRef, fused_add_rms_norm_ref, rms_norm_ref
+
+from conftest import bits_equal
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _data(shape, dtype, seed, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) * scale).to(dtype)
+
+
+def _weight(n, seed=7):
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(n, generator=g) + 0.5
+
+
+@pytest.fixture
+def lane_only(monkeypatch):
+    """Make the general CPU path fail loudly: whatever still succeeds went through the lane."""
+    dsnorm.rms_norm(torch.ones(1, 8), torch.ones(8))  # installs the lane
+    assert ops.lane is not None
+
+    def general(*args, **kwargs):
+        raise AssertionError("the general path ran")
+
+    for name in ("_plain", "_fused", "fused_add_rms_norm_inplace", "_decode"):
+        monkeypatch.setattr(ops, name, general)
+    monkeypatch.setattr(ops, "_decode_fn", None)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 1, 1536), (4, 1, 7168), (3, 512), (1, 111)])
+def test_lane_matches_reference(lane_only, dtype, shape):
+    n = shape[-1]
+    x, r, w = _data(shape, dtype, 1), _data(shape, dtype, 2), _weight(n)
+    with torch.no_grad():
+        assert bits_equal(dsnorm.rms_norm(x, w), rms_norm_ref(x, w))
+        for cast in ("deepseek", "hf"):
+            for rounding in ("fp32_sum", "round_first"):
+                y, res = dsnorm.fused_add_rms_norm(x, r, w, cast=cast, residual_rounding=rounding)
+                y_ref, res_ref = fused_add_rms_norm_ref(x, r, w, cast=cast, residual_rounding=rounding)
+                assert bits_equal(y, y_ref) and bits_equal(res, res_ref)
+                xi, ri = x.clone(), r.clone()
+                out = dsnorm.fused_add_rms_norm_(xi, ri, w, cast=cast, residual_rounding=rounding)
+                assert out[0] is xi and out[1] is ri
+                assert bits_equal(xi, y_ref) and bits_equal(ri, res_ref)
+
+
+def test_module_lane_matches_reference(lane_only):
+    ref = RMSNormRef(7168)
+    ours = dsnorm.RMSNorm(7168)
+    with torch.no_grad():
+        ref.weight.copy_(_weight(7168))
+        ours.weight.copy_(ref.weight)
+        x, r = _data((2, 1, 7168), torch.bfloat16, 3), _data((2, 1, 7168), torch.bfloat16, 4)
+        assert bits_equal(ours(x), ref(x))
+        assert bits_equal(ours(x, None), ref(x))
+        for a, b in zip(ours(x, r), ref(x, r)):
+            assert bits_equal(a, b)
+
+
+def test_lane_fp32_residual_stream(lane_only):
+    x, r, w = _data((2, 64), torch.float32, 5), _data((2, 64), torch.float32, 6), _weight(64)
+    with torch.no_grad():
+        y, res = dsnorm.fused_add_rms_norm(x, r, w, residual_dtype=torch.float32)
+    y_ref, res_ref = fused_add_rms_norm_ref(x, r, w, residual_dtype=torch.float32)
+    assert bits_equal(y, y_ref) and bits_equal(res, res_ref)
+
+
+def test_inplace_lane_bumps_versions(lane_only):
+    x, r, w = _data((1, 1536), torch.bfloat16, 7), _data((1, 1536), torch.bfloat16, 8), _weight(1536)
+    vx, vr = x._version, r._version
+    with torch.no_grad():
+        dsnorm.fused_add_rms_norm_(x, r, w)
+    assert x._version > vx and r._version > vr
+
+
+def test_lane_steps_aside_for_autograd():
+    x = _data((1, 1, 1536), torch.bfloat16, 9).requires_grad_()
+    m = dsnorm.RMSNorm(1536)
+    dsnorm.rms_norm(x.detach(), m.weight.detach())
+    y = m(x)
+    assert y.grad_fn is not None
+    y.float().sum().backward()
+    assert x.grad is not None and m.weight.grad is not None
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_lane_steps_aside_for_dispatch_modes():
+    x, r, w = _data((1, 1536), torch.bfloat16, 10), _data((1, 1536), torch.bfloat16, 11), _weight(1536)
+    dsnorm.rms_norm(x, w)
+    with torch.no_grad(), _Recorder() as mode:
+        dsnorm.rms_norm(x, w)
+        dsnorm.fused_add_rms_norm(x, r, w)
+        dsnorm.fused_add_rms_norm_(x, r, w)
+    names = " ".join(mode.ops)
+    assert "dsnorm.rms_norm" in names and "dsnorm.fused_add_rms_norm." in names
+    assert "dsnorm.fused_add_rms_norm_" in names
+
+
+@pytest.mark.parametrize(
+    "call, error",
+    [
+        (lambda x, r, w: dsnorm.rms_norm(x, w, -1.0), ValueError),
+        (lambda x, r, w: dsnorm.rms_norm(x, w, float("nan")), ValueError),
+        (lambda x, r, w: dsnorm.rms_norm(x, w, cast="fast"), ValueError),
+        (lambda x, r, w: dsnorm.fused_add_rms_norm(x, r, w, residual_rounding="nearest"), ValueError),
+        (lambda x, r, w: dsnorm.fused_add_rms_norm(x.float(), r.float(), w, residual_rounding="round_first",
+                                                   residual_dtype=torch.float32), ValueError),
+        (lambda x, r, w: dsnorm.fused_add_rms_norm(x, r[:, :8], w), ValueError),
+        (lambda x, r, w: dsnorm.fused_add_rms_norm(x, r.view(1, 1, 64), w), ValueError),
+        (lambda x, r, w: dsnorm.fused_add_rms_norm_(x, x, w), ValueError),
+        (lambda x, r, w: dsnorm.rms_norm(x, w[:8]), ValueError),
+    ],
+)
+def test_lane_leaves_refusals_to_the_general_path(call, error):
+    x, r, w = _data((1, 64), torch.bfloat16, 12), _data((1, 64), torch.bfloat16, 13), _weight(64)
+    dsnorm.rms_norm(x, w)
+    before = (x.clone(), r.clone())
+    with torch.no_grad(), pytest.raises(error):
+        call(x, r, w)
+    assert torch.equal(x, before[0]) and torch.equal(r, before[1])
+
+
+def test_module_call_runs_hooks():
+    m = dsnorm.RMSNorm(64)
+    x = _data((1, 64), torch.bfloat16, 14)
+    calls = []
+    with torch.no_grad():
+        m(x)  # the lane is installed and warm
+        h1 = m.register_forward_pre_hook(lambda mod, args: (args[0] * 2,))
+        h2 = m.register_forward_hook(lambda mod, args, out: calls.append("post"))
+        assert bits_equal(m(x), rms_norm_ref(x * 2, m.weight))
+        assert calls == ["post"]
+        h1.remove()
+        h2.remove()
+        handle = torch.nn.modules.module.register_module_forward_hook(lambda mod, args, out: calls.append("global"))
+        try:
+            m(x)
+        finally:
+            handle.remove()
+        assert calls == ["post", "global"]
+        # keyword arguments go through nn.Module.__call__ to forward
+        r = _data((1, 64), torch.bfloat16, 15)
+        y, res = m(x, residual=r)
+        y_ref, res_ref = fused_add_rms_norm_ref(x, r, m.weight)
+        assert bits_equal(y, y_ref) and bits_equal(res, res_ref)
+
+
+_FAULTS_SCRIPT = textwrap.dedent(
+    """
+    import resource, torch, dsnorm
+    shape = (64, 1, 7168)
+    x = torch.full(shape, 0.5, dtype=torch.bfloat16)  # no fp32 temporaries (see below)
+    r = torch.full(shape, 0.25, dtype=torch.bfloat16)
+    w = torch.ones(7168)
+    # glibc's state that made every call fault: one freed block of an output's size sets its
+    # mmap threshold to that size and its trim threshold to twice that, which two outputs fill.
+    torch.empty(x.numel() * 2, dtype=torch.uint8)
+    with torch.no_grad():
+        for _ in range(5):
+            dsnorm.fused_add_rms_norm(x, r, w)
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        for _ in range(50):
+            dsnorm.fused_add_rms_norm(x, r, w)
+        print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 50)
+    """
+)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc thresholds")
+def test_fused_outputs_do_not_fault_every_call():
+    # Two fresh 917 KB outputs a call; unprimed, glibc returned them to the OS on every call and
+    # faulted them back in (448 page faults a call).
+    out = subprocess.run([sys.executable, "-c", _FAULTS_SCRIPT], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert float(out.stdout.strip().splitlines()[-1]) < 10
