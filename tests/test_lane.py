@@ -61,6 +61,31 @@ def test_lane_matches_reference(lane_only, dtype, shape):
                 assert bits_equal(xi, y_ref) and bits_equal(ri, res_ref)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 8, 200])  # 200 x 512 rows: past the serial kernel's size
+def test_lane_strided_rows(lane_only, dtype, rows):
+    # The kv_norm input: 512 of each 576-wide row of wkv_a(x), read in place.
+    base = _data((rows, 1, 576), dtype, 16)
+    x = base[..., :512]
+    w = _weight(512)
+    with torch.no_grad():
+        y = dsnorm.rms_norm(x, w)
+    assert y.is_contiguous() and bits_equal(y, rms_norm_ref(x, w))
+
+
+@pytest.mark.parametrize("shape", [(64, 1, 7168), (9, 9000)])
+def test_lane_large_calls(lane_only, shape):
+    n = shape[-1]
+    x, r, w = _data(shape, torch.bfloat16, 17), _data(shape, torch.bfloat16, 18), _weight(n)
+    y_ref, res_ref = fused_add_rms_norm_ref(x, r, w)
+    with torch.no_grad():
+        assert bits_equal(dsnorm.rms_norm(x, w), rms_norm_ref(x, w))
+        y, res = dsnorm.fused_add_rms_norm(x, r, w)
+        assert bits_equal(y, y_ref) and bits_equal(res, res_ref)
+        dsnorm.fused_add_rms_norm_(x, r, w)
+    assert bits_equal(x, y_ref) and bits_equal(r, res_ref)
+
+
 def test_module_lane_matches_reference(lane_only):
     ref = RMSNormRef(7168)
     ours = dsnorm.RMSNorm(7168)

@@ -48,6 +48,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from dsnorm.ops import PLAIN_TYPES as _PLAIN_TYPES
+from dsnorm.ops import rows_viewable
 
 # Threads: numba's "threadsafe" layers (tbb when installed, else omp) may be entered from several
 # Python threads at once (its default workqueue layer may not); respect a layer the user chose.
@@ -585,12 +586,12 @@ def _forward_serial64(
 
 
 @njit(cache=_CACHE)
-def _decode32(rows, n, code, x_addr, res_addr, w_addr, y_addr, rout_addr, eps, cast_hf, round_first):
-    # Contiguous rows of one dtype: the serial kernel with a third of the arguments (each one
-    # costs the call ~25 ns to unbox, about a tenth of a [1, 1536] norm).
+def _decode32(rows, n, code, x_addr, x_stride, res_addr, w_addr, y_addr, rout_addr, eps, cast_hf, round_first):
+    # Rows of one dtype, all contiguous but x's: the serial kernel with a third of the arguments
+    # (each one costs the call ~25 ns to unbox, about a tenth of a [1, 1536] norm).
     _forward_rows(
         0, rows, n, np.empty(n + ACC_SLOTS, dtype=np.float32),
-        x_addr, n, code, res_addr, n, code, w_addr, y_addr, n, rout_addr, n, code, 0,
+        x_addr, x_stride, code, res_addr, n, code, w_addr, y_addr, n, rout_addr, n, code, 0,
         eps, cast_hf, round_first,
     )
 
@@ -1003,7 +1004,7 @@ def decode(x, residual, weight, eps, cast_hf, round_first, residual_out_dtype, i
     x_addr = x.data_ptr()
     if residual is None:
         y = torch.empty_like(x)
-        entry(numel // n, n, code, x_addr, 0, weight.data_ptr(), y.data_ptr(), 0, eps, cast_hf, False)
+        entry(numel // n, n, code, x_addr, n, 0, weight.data_ptr(), y.data_ptr(), 0, eps, cast_hf, False)
         return y
     if (
         type(residual) not in _PLAIN_TYPES or residual.dtype is not x.dtype or residual.shape != shape
@@ -1015,13 +1016,13 @@ def decode(x, residual, weight, eps, cast_hf, round_first, residual_out_dtype, i
         nbytes = numel * x.element_size()
         if not (x_addr + nbytes <= r_addr or r_addr + nbytes <= x_addr):
             return None
-        entry(numel // n, n, code, x_addr, r_addr, weight.data_ptr(), x_addr, r_addr, eps, cast_hf, round_first)
+        entry(numel // n, n, code, x_addr, n, r_addr, weight.data_ptr(), x_addr, r_addr, eps, cast_hf, round_first)
         return x, residual
     if residual_out_dtype is not None and residual_out_dtype is not x.dtype:
         return None
     y = torch.empty_like(x)
     residual_out = torch.empty_like(x)
-    entry(numel // n, n, code, x_addr, r_addr, weight.data_ptr(), y.data_ptr(), residual_out.data_ptr(),
+    entry(numel // n, n, code, x_addr, n, r_addr, weight.data_ptr(), y.data_ptr(), residual_out.data_ptr(),
           eps, cast_hf, round_first)
     return y, residual_out
 
@@ -1034,7 +1035,7 @@ def _compile_decode():
     global _decode_entry
     x = np.zeros(1, dtype=np.float32)
     w = np.ones(1, dtype=np.float32)
-    _run(_decode32, None, 1, 1, F32, x.ctypes.data, 0, w.ctypes.data, x.ctypes.data, 0, 1e-6, False, False)
+    _run(_decode32, None, 1, 1, F32, x.ctypes.data, 1, 0, w.ctypes.data, x.ctypes.data, 0, 1e-6, False, False)
     _decode_entry = next(iter(_decode32.overloads.values())).entry_point
     return _decode_entry
 
@@ -1060,16 +1061,20 @@ PLAIN, FUSED, INPLACE = 0, 1, 2
 
 
 def lane(form, x, residual, weight, eps, cast, residual_rounding, residual_dtype):
-    """The result of a small contiguous call that needs only the kernel, or None.
+    """The result of a call that needs only the kernel, or None (then the general path runs).
 
     ``form`` is PLAIN (returns ``y``; residual and its options are ignored), FUSED (``(y,
-    residual_out)``) or INPLACE (``(x, residual)``, written). The checks are written out in one
+    residual_out)``) or INPLACE (``(x, residual)``, written). Accepted: plain CPU tensors of one
+    dtype (bf16/fp16/fp32), an fp32 weight, valid options; contiguous rows, or for PLAIN rows
+    with one stride between them (the kv_norm slice). Small contiguous calls go straight to the
+    decode kernel's entry point, the rest to ``forward``. The checks are written out in one
     function: at ~40 ns per tensor attribute and ~0.1 µs per Python call, they are most of a
     decode norm.
     """
     if type(x) not in _PLAIN_TYPES or type(weight) not in _PLAIN_TYPES:
         return None
-    if _is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+    grad = _is_grad_enabled()
+    if grad and (x.requires_grad or weight.requires_grad):
         return None
     if _is_compiling() or _functorch_level() is not None or _dispatch_modes() or _function_modes():
         return None
@@ -1077,20 +1082,30 @@ def lane(form, x, residual, weight, eps, cast, residual_rounding, residual_dtype
     code = _DECODE_CODES.get(dtype)
     if code is None or weight.dtype is not _F32 or type(eps) is not float or not 0.0 < eps < _INF:
         return None
-    if not (x.is_cpu and weight.is_cpu and x.is_contiguous() and weight.is_contiguous()):
+    if not (x.is_cpu and weight.is_cpu and weight.is_contiguous()):
+        return None
+    contiguous = x.is_contiguous()
+    if not contiguous and (form != PLAIN or not rows_viewable(x)):
         return None
     numel = x.numel()
     n = weight.numel()
     shape = x.shape
-    if not 0 < numel < SERIAL_NUMEL or weight.ndim != 1 or not shape or shape[-1] != n:
+    if numel == 0 or weight.ndim != 1 or not shape or shape[-1] != n:
         return None
     cast_hf = _CASTS_HF.get(cast) if type(cast) is str else None
     if cast_hf is None:
         return None
-    entry = _decode_entry or _compile_decode()
+    small = numel < SERIAL_NUMEL
     if form == PLAIN:
-        y = torch.empty_like(x)
-        entry(numel // n, n, code, x.data_ptr(), 0, weight.data_ptr(), y.data_ptr(), 0, eps, cast_hf, False)
+        if small:
+            y = torch.empty(shape, dtype=dtype) if not contiguous else torch.empty_like(x)
+            (_decode_entry or _compile_decode())(
+                numel // n, n, code, x.data_ptr(), n if contiguous else row_stride(x), 0, weight.data_ptr(),
+                y.data_ptr(), 0, eps, cast_hf, False,
+            )
+        else:
+            y = empty_output(x, dtype)
+            forward(x, None, weight, eps, cast_hf, False, y, None, None)
         return y
     # The residual: x's dtype and shape, contiguous, on the CPU (an fp32 stream of a narrower x
     # and every refusal take the general path, which names the problem).
@@ -1098,24 +1113,36 @@ def lane(form, x, residual, weight, eps, cast, residual_rounding, residual_dtype
         return None
     if not (residual.is_cpu and residual.is_contiguous()) or residual.shape != shape:
         return None
-    if _is_grad_enabled() and residual.requires_grad:
+    if grad and residual.requires_grad:
         return None
     round_first = _ROUNDINGS_FIRST.get(residual_rounding) if type(residual_rounding) is str else None
     if round_first is None or (residual_dtype is not None and (dtype is not _F32 or residual_dtype is not _F32
                                                                or round_first)):
         return None
     if form == FUSED:
-        y = torch.empty_like(x)
-        residual_out = torch.empty_like(x)
-        entry(numel // n, n, code, x.data_ptr(), residual.data_ptr(), weight.data_ptr(), y.data_ptr(),
-              residual_out.data_ptr(), eps, cast_hf, round_first)
+        if small:
+            y = torch.empty_like(x)
+            residual_out = torch.empty_like(x)
+            (_decode_entry or _compile_decode())(
+                numel // n, n, code, x.data_ptr(), n, residual.data_ptr(), weight.data_ptr(), y.data_ptr(),
+                residual_out.data_ptr(), eps, cast_hf, round_first,
+            )
+        else:
+            y = empty_output(x, dtype)
+            residual_out = empty_output(x, dtype)
+            forward(x, residual, weight, eps, cast_hf, round_first, y, residual_out, None)
         return y, residual_out
     x_addr = x.data_ptr()
     r_addr = residual.data_ptr()
-    nbytes = numel * x.element_size()
+    nbytes = numel * (4 if code == F32 else 2)
     if not (x_addr + nbytes <= r_addr or r_addr + nbytes <= x_addr):
         return None
-    entry(numel // n, n, code, x_addr, r_addr, weight.data_ptr(), x_addr, r_addr, eps, cast_hf, round_first)
+    if small:
+        (_decode_entry or _compile_decode())(
+            numel // n, n, code, x_addr, n, r_addr, weight.data_ptr(), x_addr, r_addr, eps, cast_hf, round_first
+        )
+    else:
+        forward(x, residual, weight, eps, cast_hf, round_first, x, residual, None)
     # What the dispatcher does for a mutating op: saved-tensor checks see the write.
     _increment_version((x, residual))
     return x, residual
