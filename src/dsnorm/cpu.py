@@ -759,11 +759,27 @@ def _serial(x64: bool):
     return entry
 
 
+_PAGE = 4096
+
+
+def thread_rows(nthreads: int, width: int, dtype) -> np.ndarray:
+    """``[nthreads, >= width]`` scratch, one row per thread, rows at least a page apart.
+
+    Adjacent rows made two threads share cache lines (and prefetched each other's lines, which
+    never cross a page): with one thread writing its accumulators at the end of its row and the
+    next writing the start of its own, the lines bounced between the cores. Separating the rows
+    took the in-place [4096, 7168] norm on 2 threads from 4.9 to 4.3 ms.
+    """
+    itemsize = np.dtype(dtype).itemsize
+    row_bytes = -(-width * itemsize // _PAGE) * _PAGE + _PAGE
+    return np.empty((nthreads, row_bytes // itemsize), dtype=dtype)
+
+
 def _scratch(nthreads: int, width: int, dtype) -> np.ndarray:
     key = (nthreads, width, dtype)
     cache = getattr(_local, "scratch", None)
     if cache is None or cache[0] != key:
-        cache = (key, np.empty((nthreads, width), dtype=dtype))
+        cache = (key, thread_rows(nthreads, width, dtype))
         _local.scratch = cache
     return cache[1]
 
@@ -887,7 +903,7 @@ def backward(dy, x, residual, weight, rstd, dresidual_out, round_first, dx, dres
     block_rows = dweight_block_rows(rows)
     nblocks = -(-rows // block_rows)
     nthreads = max(1, min(_threads(max(rows * n, SERIAL_NUMEL)), nblocks))
-    scratch = np.empty((nthreads, 2 * n), dtype=np_cdtype)
+    scratch = thread_rows(nthreads, 2 * n, np_cdtype)
     partials = np.empty((nblocks, n), dtype=np_cdtype)
     dw = np.empty(n, dtype=np_cdtype)
     _run(

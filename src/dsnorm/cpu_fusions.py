@@ -42,6 +42,7 @@ from dsnorm.cpu import (
     _ptr_f32,
     _run,
     _scratch,
+    thread_rows,
     _threads,
     _u32_as_f32,
     empty_output,
@@ -229,7 +230,7 @@ def _row_scratch(nthreads: int, nbytes: int) -> np.ndarray:
     """Per-thread rows of ``nbytes`` (the y rows nobody asked for), cached per calling thread."""
     cache = getattr(_local, "rows", None)
     if cache is None or cache.shape[0] < nthreads or cache.shape[1] < nbytes:
-        cache = np.empty((nthreads, max(nbytes, 64)), dtype=np.uint8)
+        cache = thread_rows(nthreads, max(nbytes, 64), np.uint8)
         _local.rows = cache
     return cache
 
