@@ -73,6 +73,7 @@ _increment_version = torch._C._increment_version
 _functorch_level = torch._C._functorch.peek_interpreter_stack
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 _function_modes = torch._C._is_torch_function_mode_enabled
+_tracing_state = torch._C._get_tracing_state
 
 
 def _direct(*tensors) -> bool:
@@ -82,7 +83,10 @@ def _direct(*tensors) -> bool:
     for t in tensors:
         if type(t) not in _PLAIN_TYPES:
             return False
-    return _functorch_level() is None and _dispatch_modes() == 0 and not _function_modes()
+    return (
+        _functorch_level() is None and _dispatch_modes() == 0 and not _function_modes()
+        and not _tracing_state()  # torch.jit.trace records ops, not what the implementation does
+    )
 
 
 def _needs_grad(*tensors) -> bool:

@@ -775,6 +775,19 @@ def thread_rows(nthreads: int, width: int, dtype) -> np.ndarray:
     return np.empty((nthreads, row_bytes // itemsize), dtype=dtype)
 
 
+# The parallel forward's entry points by compute dtype (x64), once compiled: the dispatcher's
+# type resolution of its 19 arguments costs ~0.3 µs a call. Its argument types are fixed: Python
+# ints, bools and a float, and a C-contiguous 2-D scratch of the compute dtype.
+_parallel_entry: dict = {}
+
+
+def _parallel_overload(dtype):
+    for sig, overload in _forward_parallel.overloads.items():
+        if sig[2].dtype == numba.from_dtype(dtype):
+            return overload.entry_point
+    return None
+
+
 def _scratch(nthreads: int, width: int, dtype) -> np.ndarray:
     key = (nthreads, width, dtype)
     cache = getattr(_local, "scratch", None)
@@ -811,8 +824,11 @@ def _threads(numel: int) -> int:
     if not _threading_ready:
         _start_threading()
     threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
-    if numba.get_num_threads() != threads:
+    # numba's count is per calling thread; numba.get_num_threads() costs ~0.5 µs, so remember
+    # what this thread last set instead of asking each call.
+    if getattr(_local, "numba_threads", None) != threads:
         numba.set_num_threads(threads)
+        _local.numba_threads = threads
     return threads
 
 
@@ -880,7 +896,12 @@ def forward(x, residual, weight, eps, cast_hf, round_first, y, residual_out, rst
         (_serial_entry.get(x64) or _serial(x64))(rows, n, *args)
     else:
         scratch = _scratch(nthreads, n + ACC_SLOTS, np.float64 if x64 else np.float32)
-        _run(_forward_parallel, x64, rows, n, scratch, *args)
+        entry = _parallel_entry.get(x64)
+        if entry is None:
+            _run(_forward_parallel, x64, rows, n, scratch, *args)
+            _parallel_entry[x64] = _parallel_overload(scratch.dtype)
+        else:
+            entry(rows, n, scratch, *args)
 
 
 def dweight_block_rows(rows: int) -> int:
@@ -951,10 +972,13 @@ _madvise = _make_madvise()
 # them back in (measured at [64, 1, 7168] bf16: 416 faults and 560 µs a call instead of 60 µs, in
 # four runs out of five, depending on the heap's layout). One freed block of ``_PRIME_OUTPUTS``
 # times an output's size raises glibc's thresholds above what a call frees, the adjustment glibc
-# makes by itself when a program frees such a block; the block is never touched, so it costs an
-# mmap/munmap once per new size. Outputs stay separate fresh tensors.
+# makes by itself when a program frees such a block; the block is not written (unless
+# torch.use_deterministic_algorithms fills new memory), so it costs an mmap/munmap once per new
+# largest size. Outputs stay separate fresh tensors.
 _PRIME_MIN_BYTES = 64 << 10
-_PRIME_MAX_BYTES = 32 << 20  # glibc's largest dynamic mmap threshold: bigger blocks are always mmap'd
+# glibc adjusts its thresholds only for freed blocks up to 32 MiB (DEFAULT_MMAP_THRESHOLD_MAX)
+# including its own header, so the largest useful block stays a little below that.
+_PRIME_MAX_BYTES = (32 << 20) - (64 << 10)
 _PRIME_OUTPUTS = 4
 _primed_bytes = 0
 
@@ -970,13 +994,13 @@ def _prime_heap(nbytes: int) -> None:
 def empty_output(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A fresh, contiguous, uninitialised CPU tensor of ``like``'s shape; large ones advised for
     huge pages before their first touch."""
-    if like.numel() * dtype.itemsize >= _PRIME_MIN_BYTES:
-        _prime_heap(like.numel() * dtype.itemsize)
+    nbytes = like.numel() * dtype.itemsize
+    if nbytes >= _PRIME_MIN_BYTES and _primed_bytes < min(_PRIME_OUTPUTS * nbytes, _PRIME_MAX_BYTES):
+        _prime_heap(nbytes)
     if like.is_contiguous():
-        out = torch.empty_like(like, dtype=dtype)
+        out = torch.empty_like(like) if like.dtype is dtype else torch.empty_like(like, dtype=dtype)
     else:
         out = torch.empty(like.shape, dtype=dtype)
-    nbytes = out.numel() * out.element_size()
     if _madvise is not None and nbytes >= _ADVISE_BYTES:
         start = -(-out.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
         end = (out.data_ptr() + nbytes) // _HUGE_PAGE * _HUGE_PAGE
@@ -1070,6 +1094,8 @@ _functorch_level = torch._C._functorch.peek_interpreter_stack
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 _function_modes = torch._C._is_torch_function_mode_enabled
 _increment_version = torch._C._increment_version
+_tracing_state = torch._C._get_tracing_state
+_STRIDED = torch.strided
 _INF = float("inf")
 _CASTS_HF = {"deepseek": False, "hf": True}
 _ROUNDINGS_FIRST = {"fp32_sum": False, "round_first": True}
@@ -1082,23 +1108,27 @@ def lane(form, x, residual, weight, eps, cast, residual_rounding, residual_dtype
     ``form`` is PLAIN (returns ``y``; residual and its options are ignored), FUSED (``(y,
     residual_out)``) or INPLACE (``(x, residual)``, written). Accepted: plain CPU tensors of one
     dtype (bf16/fp16/fp32), an fp32 weight, valid options; contiguous rows, or for PLAIN rows
-    with one stride between them (the kv_norm slice). Small contiguous calls go straight to the
-    decode kernel's entry point, the rest to ``forward``. The checks are written out in one
+    with one stride between them (the kv_norm slice). Calls below the serial size go straight to
+    the decode kernel's entry point, the rest to ``forward``. Nothing is taken while autograd,
+    torch.compile, torch.jit tracing, functorch or a dispatch/function mode is in effect. The checks are written out in one
     function: at ~40 ns per tensor attribute and ~0.1 µs per Python call, they are most of a
     decode norm.
     """
-    if type(x) not in _PLAIN_TYPES or type(weight) not in _PLAIN_TYPES:
+    if type(x) not in _PLAIN_TYPES or type(weight) not in _PLAIN_TYPES or not (x.is_cpu and weight.is_cpu):
         return None
     grad = _is_grad_enabled()
     if grad and (x.requires_grad or weight.requires_grad):
         return None
-    if _is_compiling() or _functorch_level() is not None or _dispatch_modes() or _function_modes():
+    if (
+        _is_compiling() or _functorch_level() is not None or _dispatch_modes() or _function_modes()
+        or _tracing_state()
+    ):
         return None
     dtype = x.dtype
     code = _DECODE_CODES.get(dtype)
     if code is None or weight.dtype is not _F32 or type(eps) is not float or not 0.0 < eps < _INF:
         return None
-    if not (x.is_cpu and weight.is_cpu and weight.is_contiguous()):
+    if x.layout is not _STRIDED or not weight.is_contiguous():
         return None
     contiguous = x.is_contiguous()
     if not contiguous and (form != PLAIN or not rows_viewable(x)):

@@ -229,7 +229,8 @@ _local = threading.local()
 def _row_scratch(nthreads: int, nbytes: int) -> np.ndarray:
     """Per-thread rows of ``nbytes`` (the y rows nobody asked for), cached per calling thread."""
     cache = getattr(_local, "rows", None)
-    if cache is None or cache.shape[0] < nthreads or cache.shape[1] < nbytes:
+    # Rebuilt when a row would eat into the page that keeps the threads' rows apart.
+    if cache is None or cache.shape[0] < nthreads or cache.shape[1] - nbytes < 4096:
         cache = thread_rows(nthreads, max(nbytes, 64), np.uint8)
         _local.rows = cache
     return cache
@@ -250,7 +251,7 @@ def rms_norm_fp8(x, residual, weight, eps, ue8m0, block, y, residual_out, q, sca
     rows = numel // n
     nthreads = 1 if numel < SERIAL_NUMEL else max(1, min(_threads(numel), rows))
     scratch = _scratch(nthreads, n + ACC_SLOTS, np.float32)
-    row_bytes = -(-n * x.element_size() // 64) * 64  # cache-line aligned per-thread rows
+    row_bytes = -(-n * x.element_size() // 64) * 64  # whole cache lines
     ytmp = _row_scratch(nthreads, row_bytes)
     _run(
         _fp8_serial if nthreads == 1 else _fp8_parallel, None,
