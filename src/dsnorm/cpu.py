@@ -30,7 +30,7 @@ Why the kernels look the way they do:
 * Tensors arrive as raw addresses (``data_ptr()``) and element strides: building numpy views costs
   microseconds per tensor, which matters at decode sizes. bf16 is handled as uint16 bits (numba has
   no bfloat16) and fp16 through LLVM's ``half`` (F16C).
-* Small inputs run a serial kernel: starting the thread pool costs ~10 µs, more than the work.
+* Small inputs run a serial kernel: launching on the thread pool costs more than their work.
 * dweight is reduced over fixed row blocks whose size depends only on the shape, then the blocks
   are added in block order: the same bits for any thread count.
 """
@@ -58,8 +58,10 @@ if "NUMBA_THREADING_LAYER" not in os.environ:
 F32, BF16, F16, F64 = 0, 1, 2, 3
 DTYPE_CODES = {torch.float32: F32, torch.bfloat16: BF16, torch.float16: F16, torch.float64: F64}
 
-# Below this many elements a call runs on the calling thread: waking the pool costs more.
-SERIAL_NUMEL = 1 << 16
+# Below this many elements a call runs on the calling thread: a launch on a warm pool costs ~1.5
+# µs, and two threads win from ~12K elements on (measured at widths 512, 1536 and 7168: at 32K
+# elements 7 µs instead of 10-11 serially).
+SERIAL_NUMEL = 1 << 14
 # Vector lanes torch's CPU sum uses for fp32 (doubles: half as many).
 SUM_LANES = 8
 # Scratch slots per thread beyond the row itself: 4 cascade levels x 4 accumulators x lanes.
@@ -1142,16 +1144,17 @@ def lane(form, x, residual, weight, eps, cast, residual_rounding, residual_dtype
     if cast_hf is None:
         return None
     small = numel < SERIAL_NUMEL
+    # Outputs below the heap primer's size need none of empty_output's care.
+    plain_alloc = numel * (4 if code == F32 else 2) < _PRIME_MIN_BYTES
     if form == PLAIN:
-        if small:
-            y = torch.empty(shape, dtype=dtype) if not contiguous else torch.empty_like(x)
-            (_decode_entry or _compile_decode())(
-                numel // n, n, code, x.data_ptr(), n if contiguous else row_stride(x), 0, weight.data_ptr(),
-                y.data_ptr(), 0, eps, cast_hf, False,
-            )
+        if plain_alloc:
+            y = torch.empty_like(x) if contiguous else torch.empty(shape, dtype=dtype)
         else:
             y = empty_output(x, dtype)
-            forward(x, None, weight, eps, cast_hf, False, y, None, None)
+        (_decode_entry or _compile_decode() if small else _lane_parallel)(
+            numel // n, n, code, x.data_ptr(), n if contiguous else row_stride(x), 0, weight.data_ptr(),
+            y.data_ptr(), 0, eps, cast_hf, False,
+        )
         return y
     # The residual: x's dtype and shape, contiguous, on the CPU (an fp32 stream of a narrower x
     # and every refusal take the general path, which names the problem).
@@ -1165,30 +1168,42 @@ def lane(form, x, residual, weight, eps, cast, residual_rounding, residual_dtype
     if round_first is None or (residual_dtype is not None and (dtype is not _F32 or residual_dtype is not _F32
                                                                or round_first)):
         return None
+    launch = _decode_entry or _compile_decode() if small else _lane_parallel
     if form == FUSED:
-        if small:
+        if plain_alloc:
             y = torch.empty_like(x)
             residual_out = torch.empty_like(x)
-            (_decode_entry or _compile_decode())(
-                numel // n, n, code, x.data_ptr(), n, residual.data_ptr(), weight.data_ptr(), y.data_ptr(),
-                residual_out.data_ptr(), eps, cast_hf, round_first,
-            )
         else:
             y = empty_output(x, dtype)
             residual_out = empty_output(x, dtype)
-            forward(x, residual, weight, eps, cast_hf, round_first, y, residual_out, None)
+        launch(numel // n, n, code, x.data_ptr(), n, residual.data_ptr(), weight.data_ptr(), y.data_ptr(),
+               residual_out.data_ptr(), eps, cast_hf, round_first)
         return y, residual_out
     x_addr = x.data_ptr()
     r_addr = residual.data_ptr()
     nbytes = numel * (4 if code == F32 else 2)
     if not (x_addr + nbytes <= r_addr or r_addr + nbytes <= x_addr):
         return None
-    if small:
-        (_decode_entry or _compile_decode())(
-            numel // n, n, code, x_addr, n, r_addr, weight.data_ptr(), x_addr, r_addr, eps, cast_hf, round_first
-        )
-    else:
-        forward(x, residual, weight, eps, cast_hf, round_first, x, residual, None)
+    launch(numel // n, n, code, x_addr, n, r_addr, weight.data_ptr(), x_addr, r_addr, eps, cast_hf, round_first)
     # What the dispatcher does for a mutating op: saved-tensor checks see the write.
     _increment_version((x, residual))
     return x, residual
+
+
+def _lane_parallel(rows, n, code, x_addr, x_stride, res_addr, w_addr, y_addr, rout_addr, eps, cast_hf, round_first):
+    """The decode kernel's arguments, run on the thread pool (fp32 compute, contiguous outputs)."""
+    nthreads = min(_threads(rows * n), rows)
+    if nthreads == 1:
+        (_decode_entry or _compile_decode())(
+            rows, n, code, x_addr, x_stride, res_addr, w_addr, y_addr, rout_addr, eps, cast_hf, round_first
+        )
+        return
+    scratch = _scratch(nthreads, n + ACC_SLOTS, np.float32)
+    args = (rows, n, scratch, x_addr, x_stride, code, res_addr, n, code, w_addr, y_addr, n, rout_addr, n, code, 0,
+            eps, cast_hf, round_first)
+    entry = _parallel_entry.get(False)
+    if entry is None:
+        _run(_forward_parallel, False, *args)
+        _parallel_entry[False] = _parallel_overload(scratch.dtype)
+    else:
+        entry(*args)
