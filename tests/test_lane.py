@@ -220,6 +220,26 @@ def test_lane_steps_aside_for_dispatch_modes():
     assert "dsnorm.fused_add_rms_norm_" in names
 
 
+def test_lane_steps_aside_for_function_modes():
+    from torch.overrides import TorchFunctionMode
+
+    class Seen(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.funcs = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.funcs.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    x, w = _data((1, 1536), torch.bfloat16, 25), _weight(1536)
+    dsnorm.rms_norm(x, w)
+    with torch.no_grad(), Seen() as mode:
+        y = dsnorm.rms_norm(x, w)
+    assert any("dsnorm.rms_norm" in f for f in mode.funcs)
+    assert bits_equal(y, rms_norm_ref(x, w))
+
+
 @pytest.mark.parametrize(
     "call, error",
     [
