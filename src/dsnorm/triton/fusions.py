@@ -142,13 +142,7 @@ def rms_norm_fp8_kernel(
             tl.store(Y + row * stride_y + cols, kernels._narrow(v, XDT), mask=mask)
         _quant_store(kernels._round_to(v, XDT, CD), q_row, s_row, 0, n_cols, BLOCK_N, QBLOCK, UE8M0)
     else:
-        acc = tl.full([BLOCK_N], 0.0, CD)
-        for start in range(0, n_cols, BLOCK_N):
-            c = start + cols
-            m = c < n_cols
-            s = kernels._load_s(x_row + c, r_row + c, m, HAS_RESIDUAL, False, XDT, CD)
-            acc += s * s
-        rstd = kernels._rstd(kernels._row_sum(acc), n_cols, eps, CD)
+        rstd = kernels._blocked_rstd(x_row, r_row, cols, n_cols, eps, HAS_RESIDUAL, False, XDT, CD, BLOCK_N)
         for start in range(0, n_cols, BLOCK_N):
             c = start + cols
             m = c < n_cols
@@ -217,13 +211,7 @@ def _norm_row(x_row, r_row, w_ptr, y_row, ro_row, n_cols, eps, BLOCK_N: tl.const
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(CD)
         tl.store(y_row + cols, kernels._scale(s * rstd, w, XDT, False, CD), mask=mask)
     else:
-        acc = tl.full([BLOCK_N], 0.0, CD)
-        for start in range(0, n_cols, BLOCK_N):
-            c = start + cols
-            m = c < n_cols
-            s = kernels._load_s(x_row + c, r_row + c, m, HAS_RESIDUAL, False, XDT, CD)
-            acc += s * s
-        rstd = kernels._rstd(kernels._row_sum(acc), n_cols, eps, CD)
+        rstd = kernels._blocked_rstd(x_row, r_row, cols, n_cols, eps, HAS_RESIDUAL, False, XDT, CD, BLOCK_N)
         for start in range(0, n_cols, BLOCK_N):
             c = start + cols
             m = c < n_cols

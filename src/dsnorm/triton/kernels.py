@@ -134,6 +134,19 @@ def _rstd(sumsq, n_cols, eps, CD: tl.constexpr):
 
 
 @triton.jit
+def _blocked_rstd(x_row, r_row, cols, n_cols, eps, HAS_RESIDUAL: tl.constexpr, ROUND_FIRST: tl.constexpr,
+                  XDT: tl.constexpr, CD: tl.constexpr, BLOCK_N: tl.constexpr):
+    """rstd of a row wider than one block: the sum of squares block by block into a vector
+    accumulator (one tree reduction at the end, the same for every row)."""
+    acc = tl.full([BLOCK_N], 0.0, CD)
+    for start in range(0, n_cols, BLOCK_N):
+        c = start + cols
+        s = _load_s(x_row + c, r_row + c, c < n_cols, HAS_RESIDUAL, ROUND_FIRST, XDT, CD)
+        acc += s * s
+    return _rstd(_row_sum(acc), n_cols, eps, CD)
+
+
+@triton.jit
 def _scale(xhat, w, DT: tl.constexpr, CAST_HF: tl.constexpr, CD: tl.constexpr):
     """The output: ``(w * xhat).to(DT)``, or with CAST_HF both factors rounded to DT first and the
     product rounded again (Hugging Face's ``weight.to(dtype) * xhat.to(dtype)``)."""
@@ -196,15 +209,8 @@ def rms_norm_fwd_kernel(
         for row64 in range(row_begin, row_end):
             x_row = X + row64 * stride_x
             r_row = R + row64 * stride_r
-            # Pass 1: the sum of squares, block by block into a vector accumulator (one tree
-            # reduction at the end, the same for every row).
-            acc = tl.full([BLOCK_N], 0.0, CD)
-            for start in range(0, n_cols, BLOCK_N):
-                c = start + cols
-                m = c < n_cols
-                s = _load_s(x_row + c, r_row + c, m, HAS_RESIDUAL, ROUND_FIRST, X.dtype.element_ty, CD)
-                acc += s * s
-            rstd = _rstd(_row_sum(acc), n_cols, eps, CD)
+            rstd = _blocked_rstd(x_row, r_row, cols, n_cols, eps, HAS_RESIDUAL, ROUND_FIRST, X.dtype.element_ty, CD,
+                                 BLOCK_N)
             if STORE_RSTD:
                 tl.store(RSTD + row64, rstd.to(RSTD.dtype.element_ty))
             # Pass 2: recompute s from the inputs (not from RO, which may alias R and holds s only
