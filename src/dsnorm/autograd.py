@@ -70,23 +70,16 @@ class FusedAddRMSNormFunction(torch.autograd.Function):
 _PLAIN_TYPES = ops.PLAIN_TYPES
 # torch.autograd.graph.increment_version without its Python wrapper (this runs per decode call).
 _increment_version = torch._C._increment_version
-_functorch_level = torch._C._functorch.peek_interpreter_stack
-_dispatch_modes = torch._C._len_torch_dispatch_stack
-_function_modes = torch._C._is_torch_function_mode_enabled
-_tracing_state = torch._C._get_tracing_state
 
 
 def _direct(*tensors) -> bool:
     """True when calling the op's implementation directly is indistinguishable from the op."""
-    if torch.compiler.is_compiling():  # first: nothing below needs tracing then
+    if not ops.dispatch_free():
         return False
     for t in tensors:
         if type(t) not in _PLAIN_TYPES:
             return False
-    return (
-        _functorch_level() is None and _dispatch_modes() == 0 and not _function_modes()
-        and not _tracing_state()  # torch.jit.trace records ops, not what the implementation does
-    )
+    return True
 
 
 def _needs_grad(*tensors) -> bool:
@@ -230,6 +223,7 @@ def fused_add_rms_norm_(
     if lane is not None:
         out = lane(2, x, residual, weight, eps, cast, residual_rounding, residual_dtype)  # 2: ops.LANE_INPLACE
         if out is not None:
+            _increment_version(out)  # what the dispatcher does for a mutating op
             return out
     w = _compute_weight(weight, x)
     if not isinstance(residual, torch.Tensor):

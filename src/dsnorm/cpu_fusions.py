@@ -418,7 +418,7 @@ _MLA_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 def mla_decode(q_latent, kv_a, q_weight, kv_weight, eps):
     """``(q_out, kv_out)`` for small contiguous CPU decode inputs with fp32 weights, or None.
 
-    Like :func:`dsnorm.cpu.decode`: it only recognises the common case (reading each attribute
+    Like :func:`dsnorm.cpu.lane`: it only recognises the common case (reading each attribute
     once, where fusions._check_mla's full checks cost more than the two norms); anything else,
     bad input included, returns None and takes the general, checked path. eps must be valid.
     """

@@ -20,7 +20,6 @@ from dsnorm.ops import check_options
 from dsnorm.ref import EPS
 
 _module_call = nn.Module.__call__  # to notice a tool patching it (FX, quantization), never called
-_tracing_state = torch._C._get_tracing_state
 
 
 class RMSNorm(nn.Module):
@@ -65,10 +64,10 @@ class RMSNorm(nn.Module):
         # nn.Module.__call__ costs ~0.9 µs before forward starts, and ``self.weight`` another 0.4
         # (a Module.__getattr__ lookup): most of a decode norm. When nothing could make
         # nn.Module.__call__ do more than call this class's own forward (no hooks, local or
-        # global; no module-level compile; no tracing; nobody has patched nn.Module.__call__, as
-        # FX and quantization tools do while they run; forward and weight not overridden on the
-        # instance or in a subclass), the fast lane is that forward for the calls it accepts.
-        # Everything else takes the usual path.
+        # global; no module-level compile; nobody has patched nn.Module.__call__, as FX and
+        # quantization tools do while they run; forward and weight not overridden on the instance
+        # or in a subclass), the fast lane is that forward for the calls it accepts (it refuses
+        # while torch.jit traces). Everything else takes the usual path.
         if not (
             kwargs or self._forward_pre_hooks or self._forward_hooks or self._backward_pre_hooks
             or self._backward_hooks or _global_forward_pre_hooks or _global_forward_hooks
@@ -80,7 +79,7 @@ class RMSNorm(nn.Module):
             if (
                 lane is not None and 0 < nargs <= 2 and nn.Module.__call__ is _module_call
                 and type(self).forward is _forward and "forward" not in self.__dict__
-                and "weight" not in self.__dict__ and not _tracing_state()
+                and "weight" not in self.__dict__
             ):
                 residual = args[1] if nargs == 2 else None
                 out = lane(

@@ -251,27 +251,44 @@ def _fused(x, residual, weight, eps, cast, residual_rounding, residual_dtype, sa
     return y, residual_out, rstd
 
 
-def _decode():
-    # The CPU module's decode fast path (imported on first use: importing dsnorm loads no numba),
-    # and the fast lane the functional API and the module try first from then on.
-    global _decode_fn, lane
-    if _decode_fn is None:
+_is_compiling = torch.compiler.is_compiling
+_functorch_level = torch._C._functorch.peek_interpreter_stack
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_function_modes = torch._C._is_torch_function_mode_enabled
+_tracing_state = torch._C._get_tracing_state
+
+
+def dispatch_free() -> bool:
+    """True when nothing observes or transforms op calls: no torch.compile/export tracing (checked
+    first: nothing after it needs tracing), functorch transform, torch dispatch or function mode,
+    or torch.jit trace (which records ops, not what an implementation does). Then calling an op's
+    implementation directly is indistinguishable from calling the op. The probes are torch's C
+    functions without their Python wrappers: this runs on every decode call."""
+    return not (
+        _is_compiling() or _functorch_level() is not None or _dispatch_modes() or _function_modes()
+        or _tracing_state()
+    )
+
+
+def _load_lane():
+    # The CPU kernels' fast lane (dsnorm.cpu is imported on first use: importing dsnorm loads no
+    # numba). The ops' implementations try it first, and so, from then on, do the functional API
+    # and the module, which call it without the dispatcher's round trip.
+    global lane
+    if lane is None:
         from dsnorm import cpu
 
         lane = cpu.lane
-        _decode_fn = cpu.decode
-    return _decode_fn
+    return lane
 
 
-_decode_fn = None
-# Set by _decode(): dsnorm.cpu.lane, None until the CPU kernels are first used.
+# dsnorm.cpu.lane once loaded; its forms are dsnorm.cpu.PLAIN, FUSED, INPLACE.
 lane = None
-LANE_PLAIN, LANE_FUSED, LANE_INPLACE = 0, 1, 2  # dsnorm.cpu.PLAIN, FUSED, INPLACE
+LANE_PLAIN, LANE_FUSED, LANE_INPLACE = 0, 1, 2
 
 
 def rms_norm(x, weight, eps, cast):
-    check_options(eps, cast)
-    out = (_decode_fn or _decode())(x, None, weight, float(eps), cast == "hf", False, None, False)
+    out = (lane or _load_lane())(LANE_PLAIN, x, None, weight, eps, cast, None, None)
     if out is not None:
         return out
     return _plain(x, weight, eps, cast, False)[0]
@@ -282,10 +299,7 @@ def rms_norm_fwd(x, weight, eps, cast):
 
 
 def fused_add_rms_norm(x, residual, weight, eps, cast, residual_rounding, residual_dtype):
-    check_options(eps, cast, residual_rounding, residual_dtype)
-    out = (_decode_fn or _decode())(
-        x, residual, weight, float(eps), cast == "hf", residual_rounding == "round_first", residual_dtype, False
-    )
+    out = (lane or _load_lane())(LANE_FUSED, x, residual, weight, eps, cast, residual_rounding, residual_dtype)
     if out is not None:
         return out
     return _fused(x, residual, weight, eps, cast, residual_rounding, residual_dtype, False)[:2]
@@ -352,24 +366,14 @@ def _inplace_common_case(x, residual, weight) -> bool:
     return a + nbytes <= b or b + nbytes <= a
 
 
-_INPLACE_DECODE_OPTIONS: set = set()  # (eps, cast, residual_rounding) already checked
-
-
 def fused_add_rms_norm_inplace(x, residual, weight, eps, cast, residual_rounding):
-    if isinstance(eps, float) and (eps, cast, residual_rounding) in _INPLACE_DECODE_OPTIONS:
-        # decode() recognises the rest (tensor types, dtypes, shapes, devices, no overlap) itself.
-        done = (_decode_fn or _decode())(
-            x, residual, weight, eps, cast == "hf", residual_rounding == "round_first", None, True
-        )
-        if done is not None:
-            return
+    if (lane or _load_lane())(LANE_INPLACE, x, residual, weight, eps, cast, residual_rounding, None) is not None:
+        return
     if not _inplace_common_case(x, residual, weight):
         check_input(x)
         check_inplace(x, residual)
         check_weight(weight, x)
     check_options(eps, cast, residual_rounding, torch.float32 if residual.dtype != x.dtype else None)
-    if isinstance(eps, float) and residual.dtype == x.dtype and len(_INPLACE_DECODE_OPTIONS) < 256:
-        _INPLACE_DECODE_OPTIONS.add((eps, cast, residual_rounding))
     _launcher(x).forward(
         x, residual, weight, eps, cast == "hf", residual_rounding == "round_first", x, residual, None
     )
