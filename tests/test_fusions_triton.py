@@ -348,44 +348,15 @@ COMPILE_SCRIPT = textwrap.dedent(
     r"""
     import sys
     import torch
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
     from dsnorm.triton import fusions as tf, launch
+    from triton_aot import compile_launch, rows
 
-    TY = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64",
-          torch.uint8: "u8", torch.int64: "i64"}
-
-    def compile_launch(kernel, args, meta):
-        sig, consts, attrs = {}, {}, {}
-        for i, (name, a) in enumerate(zip(kernel.arg_names, args)):
-            if isinstance(a, torch.Tensor):
-                sig[name] = "*" + TY[a.dtype]
-                if a.data_ptr() % 16 == 0:
-                    attrs[(i,)] = [["tt.divisibility", 16]]
-            elif isinstance(a, int):
-                if a == 1:
-                    sig[name] = "constexpr"
-                    consts[name] = 1
-                else:
-                    sig[name] = "i32"
-                    if a % 16 == 0:
-                        attrs[(i,)] = [["tt.divisibility", 16]]
-            elif isinstance(a, float):
-                sig[name] = "fp64"
-        for name, v in meta.items():
-            if name != "num_warps":
-                sig[name] = "constexpr"
-                consts[name] = v
-        k = triton.compile(ASTSource(kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                           options={"num_warps": meta["num_warps"]})
+    def compile_checked(kernel, args, meta):
+        k = compile_launch(kernel, args, meta)
         ptx = k.asm["ptx"]
         assert "div.rn.f32" in ptx and "sqrt.rn.f32" in ptx, kernel.fn.__name__
         assert "div.full.f32" not in ptx and "div.approx" not in ptx and "sqrt.approx" not in ptx
         print("ok", kernel.fn.__name__, meta, file=sys.stderr)
-
-    def rows(r, n, dtype, stride=None):
-        return torch.zeros(r, stride or n, dtype=dtype)[:, :n]
 
     for r, n, dtype, res, ue, store_y, max_block in [(4, 7168, torch.bfloat16, True, True, False, None),
                                                      (1, 1536, torch.float16, False, False, True, None),
@@ -395,15 +366,15 @@ COMPILE_SCRIPT = textwrap.dedent(
         q, s = torch.empty(r, n, dtype=torch.float8_e4m3fn), torch.empty(r, n // 128)
         _, args, meta = tf.rms_norm_fp8_params(x, x.clone() if res else None, torch.ones(n), 1e-6, ue, 128,
                                                x.clone() if store_y else None, x.clone() if res else None, q, s)
-        compile_launch(tf.rms_norm_fp8_kernel, args, meta)
+        compile_checked(tf.rms_norm_fp8_kernel, args, meta)
     launch.MAX_BLOCK_N = 8192
     h = torch.zeros(3, 5, 7168, dtype=torch.bfloat16)
     _, args, meta = tf.final_norm_params(h, h.clone(), torch.ones(7168), 1e-6, torch.ones(3, dtype=torch.int64),
                                          torch.empty(3, 7168, dtype=torch.bfloat16), torch.empty(3, 7168, dtype=torch.bfloat16))
-    compile_launch(tf.final_norm_kernel, args, meta)
+    compile_checked(tf.final_norm_kernel, args, meta)
     q, kv = rows(4, 1536, torch.bfloat16), rows(4, 512, torch.bfloat16, 576)
     _, args, meta = tf.mla_params(q, kv, torch.ones(1536), torch.ones(512), 1e-6, q.clone(), kv.contiguous())
-    compile_launch(tf.mla_latent_norms_kernel, args, meta)
+    compile_checked(tf.mla_latent_norms_kernel, args, meta)
     print("ALL OK")
     """
 )

@@ -25,39 +25,8 @@ SCRIPT = textwrap.dedent(
     import re
     import sys
     import torch
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
     from dsnorm.triton import kernels, launch
-
-    TY = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
-
-    def compile_launch(kernel, args, meta):
-        names = kernel.arg_names
-        sig, consts, attrs = {}, {}, {}
-        for i, (name, a) in enumerate(zip(names, args)):
-            if isinstance(a, torch.Tensor):
-                sig[name] = "*" + TY[a.dtype]
-                if a.data_ptr() % 16 == 0:
-                    attrs[(i,)] = [["tt.divisibility", 16]]
-            elif isinstance(a, bool):
-                raise AssertionError(name)
-            elif isinstance(a, int):
-                if a == 1:
-                    sig[name] = "constexpr"
-                    consts[name] = 1
-                else:
-                    sig[name] = "i32"
-                    if a % 16 == 0:
-                        attrs[(i,)] = [["tt.divisibility", 16]]
-            elif isinstance(a, float):
-                sig[name] = "fp64"  # the eps annotation
-        for name, v in meta.items():
-            if name != "num_warps":
-                sig[name] = "constexpr"
-                consts[name] = v
-        src = ASTSource(kernel, sig, consts, attrs)
-        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": meta["num_warps"]})
+    from triton_aot import compile_launch, rows
 
     def check(k, what, forward, fp="f32"):
         ptx = k.asm["ptx"]
@@ -65,9 +34,6 @@ SCRIPT = textwrap.dedent(
         assert "div.full.f32" not in ptx and "div.approx" not in ptx and "sqrt.approx" not in ptx, what
         assert not re.search(r"\b(atom|red)\.", ptx), what  # no atomics anywhere: dweight is deterministic
         print("ok", what, file=sys.stderr)
-
-    def rows(r, n, dtype, stride=None):
-        return torch.zeros(r, stride or n, dtype=dtype)[:, :n]
 
     cases = [
         # (rows, n, stride, dtype, residual dtype or None, cast_hf, round_first, max_block)

@@ -58,5 +58,8 @@ def run_compiled(script: str) -> None:
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns when unset
+    # The scripts import the shared compile helper (tests/triton_aot.py).
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (tests_dir, env.get("PYTHONPATH")) if p)
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and "ALL OK" in proc.stdout, proc.stderr[-4000:]
