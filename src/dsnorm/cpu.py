@@ -790,6 +790,18 @@ def _parallel_overload(dtype):
     return None
 
 
+def _run_parallel(x64: bool, nthreads: int, rows: int, n: int, *args) -> None:
+    """``_forward_parallel`` on ``nthreads`` threads with this thread's scratch (args: the
+    kernel's arguments after ``scratch``)."""
+    scratch = _scratch(nthreads, n + ACC_SLOTS, np.float64 if x64 else np.float32)
+    entry = _parallel_entry.get(x64)
+    if entry is None:
+        _run(_forward_parallel, x64, rows, n, scratch, *args)
+        _parallel_entry[x64] = _parallel_overload(scratch.dtype)
+    else:
+        entry(rows, n, scratch, *args)
+
+
 def _scratch(nthreads: int, width: int, dtype) -> np.ndarray:
     key = (nthreads, width, dtype)
     cache = getattr(_local, "scratch", None)
@@ -897,13 +909,7 @@ def forward(x, residual, weight, eps, cast_hf, round_first, y, residual_out, rst
     if nthreads == 1:
         (_serial_entry.get(x64) or _serial(x64))(rows, n, *args)
     else:
-        scratch = _scratch(nthreads, n + ACC_SLOTS, np.float64 if x64 else np.float32)
-        entry = _parallel_entry.get(x64)
-        if entry is None:
-            _run(_forward_parallel, x64, rows, n, scratch, *args)
-            _parallel_entry[x64] = _parallel_overload(scratch.dtype)
-        else:
-            entry(rows, n, scratch, *args)
+        _run_parallel(x64, nthreads, rows, n, *args)
 
 
 def dweight_block_rows(rows: int) -> int:
@@ -1138,12 +1144,5 @@ def _lane_parallel(rows, n, code, x_addr, x_stride, res_addr, w_addr, y_addr, ro
             rows, n, code, x_addr, x_stride, res_addr, w_addr, y_addr, rout_addr, eps, cast_hf, round_first
         )
         return
-    scratch = _scratch(nthreads, n + ACC_SLOTS, np.float32)
-    args = (rows, n, scratch, x_addr, x_stride, code, res_addr, n, code, w_addr, y_addr, n, rout_addr, n, code, 0,
-            eps, cast_hf, round_first)
-    entry = _parallel_entry.get(False)
-    if entry is None:
-        _run(_forward_parallel, False, *args)
-        _parallel_entry[False] = _parallel_overload(scratch.dtype)
-    else:
-        entry(*args)
+    _run_parallel(False, nthreads, rows, n, x_addr, x_stride, code, res_addr, n, code, w_addr, y_addr, n,
+                  rout_addr, n, code, 0, eps, cast_hf, round_first)
