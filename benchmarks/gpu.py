@@ -240,7 +240,8 @@ def impl_liger(op, x, r, w):
     except ImportError as e:
         raise Unavailable(f"liger_kernel: {e}")
     # casting_mode="gemma": everything in fp32, one rounding at the end (closest to DeepSeek's).
-    mod = Cls(x.shape[1], eps=EPS, casting_mode="gemma").to(x.device)
+    # in_place=False: Liger's default for the plain norm writes dx over dy, which later rows reuse.
+    mod = Cls(x.shape[1], eps=EPS, casting_mode="gemma", in_place=False).to(x.device)
     with torch.no_grad():
         mod.weight.copy_(w)
     if op == "rms_norm":

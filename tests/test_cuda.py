@@ -1,0 +1,335 @@
+"""The compiled Triton kernels on a CUDA device, through the public API, against ``dsnorm.ref``.
+
+These run only where torch sees a CUDA device (the device check of the GPU issue; CI has none, and
+the same kernels run there through Triton's interpreter in ``test_triton_interpret.py``). The
+criteria are the interpreter tests': residual bitwise, ``y`` within one ulp (fp32: 4e-6
+relative), gradients against fp64 autograd of the reference formula, dweight the same bits run
+to run, a row's bits independent of the launch's row count; plus what only a GPU shows:
+``torch.compile`` and CUDA graph capture give eager's bits, and a CPU weight with a CUDA input is
+refused by name.
+
+Shapes are few and small: every new combination of flags is a Triton compilation.
+"""
+
+import pytest
+import torch
+
+import dsnorm
+from dsnorm import fusions
+from dsnorm.fusions import act_quant_ref
+from dsnorm.ref import fused_add_rms_norm_ref, rms_norm_backward_ref, rms_norm_ref
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch sees none)")
+
+EPS = 1e-6
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+# (rows, n, parent row width or None): n=1, odd, the strided 512-of-576 kv slice, DeepSeek's 1536
+# and 7168, and 9000 (wider than one 8192-column block: the two-pass path).
+SHAPES = [(3, 1, None), (3, 111, None), (4, 512, 576), (4, 1536, None), (4, 7168, None), (2, 9000, None)]
+
+
+def _ordered(t):
+    bits = {torch.float32: torch.int32}.get(t.dtype, torch.int16)
+    i = t.contiguous().view(bits).to(torch.int64)
+    sign = 1 << (torch.iinfo(bits).bits - 1)
+    return torch.where(i < 0, -(i + sign), i)
+
+
+def max_ulp(a, b):
+    assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, b.dtype, a.shape, b.shape)
+    a, b = a.cpu(), b.cpu()
+    assert torch.equal(a.isnan(), b.isnan()), "NaN positions differ"
+    keep = ~a.isnan()
+    if not bool(keep.any()):
+        return 0
+    return int((_ordered(a[keep]) - _ordered(b[keep])).abs().max())
+
+
+def assert_y_close(y, ref):
+    y, ref = y.cpu(), ref.cpu()
+    if y.dtype == torch.float32:
+        err = (y - ref).abs()
+        assert bool((err <= 4e-6 * ref.abs()).all()), f"max rel err {float((err / ref.abs()).max())}"
+    else:
+        assert max_ulp(y, ref) <= 1
+
+
+def assert_bitwise(a, b):
+    a, b = a.cpu(), b.cpu()
+    assert a.dtype == b.dtype and a.shape == b.shape
+    nan = a.isnan()
+    assert torch.equal(nan, b.isnan())
+    assert torch.equal(a.masked_fill(nan, 0).contiguous().view(torch.uint8),
+                       b.masked_fill(nan, 0).contiguous().view(torch.uint8))
+
+
+def rows_of(rows, n, dtype, gen, stride=None, scale=1.0):
+    width = n if stride is None else stride
+    full = (torch.randn(rows, width, generator=gen, dtype=torch.float64) * scale).to(dtype).cuda()
+    return full[:, :n]
+
+
+def weight_of(n, gen):
+    return (1.0 + 0.25 * torch.randn(n, generator=gen, dtype=torch.float64)).float().cuda()
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward through the public functions.
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,n,stride", SHAPES)
+def test_forward(dtype, rows, n, stride):
+    gen = torch.Generator().manual_seed(n + rows)
+    x = rows_of(rows, n, dtype, gen, stride)
+    r = rows_of(rows, n, dtype, gen, stride, scale=4.0)
+    w = weight_of(n, gen)
+    with torch.no_grad():
+        y = dsnorm.rms_norm(x, w, EPS)
+        assert y.device == x.device and y.dtype == dtype
+        assert_y_close(y, rms_norm_ref(x.cpu(), w.cpu(), EPS))
+        y, ro = dsnorm.fused_add_rms_norm(x, r, w, EPS)
+        y_ref, ro_ref = fused_add_rms_norm_ref(x.cpu(), r.cpu(), w.cpu(), EPS)
+        assert_bitwise(ro, ro_ref)
+        assert_y_close(y, y_ref)
+
+
+@pytest.mark.parametrize("n", [111, 7168, 9000])
+def test_forward_options(n):
+    gen = torch.Generator().manual_seed(n)
+    dtype = torch.bfloat16
+    x = rows_of(3, n, dtype, gen)
+    w = weight_of(n, gen)
+    with torch.no_grad():
+        assert_y_close(dsnorm.rms_norm(x, w, EPS, cast="hf"), rms_norm_ref(x.cpu(), w.cpu(), EPS, "hf"))
+        for res_dtype in (None, torch.float32):
+            r = rows_of(3, n, res_dtype or dtype, gen, scale=4.0)
+            for rounding in ("fp32_sum",) if res_dtype else ("fp32_sum", "round_first"):
+                for cast in ("deepseek", "hf"):
+                    y, ro = dsnorm.fused_add_rms_norm(x, r, w, EPS, cast=cast, residual_rounding=rounding,
+                                                      residual_dtype=res_dtype)
+                    y_ref, ro_ref = fused_add_rms_norm_ref(x.cpu(), r.cpu(), w.cpu(), EPS, cast, rounding,
+                                                           res_dtype)
+                    assert_bitwise(ro, ro_ref)
+                    assert_y_close(y, y_ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_in_place_strided(dtype):
+    rows, n, stride = 5, 512, 576
+    gen = torch.Generator().manual_seed(7)
+    xp, rp = rows_of(rows, stride, dtype, gen), rows_of(rows, stride, dtype, gen, scale=4.0)
+    x_before, r_before = xp.clone(), rp.clone()
+    x, r = xp[:, :n], rp[:, :n]
+    y_ref, ro_ref = fused_add_rms_norm_ref(x.cpu(), r.cpu(), torch.ones(n), EPS)
+    w = torch.ones(n, device="cuda")
+    with torch.no_grad():
+        out = dsnorm.fused_add_rms_norm_(x, r, w, EPS)
+    assert out[0].data_ptr() == x.data_ptr() and out[1].data_ptr() == r.data_ptr()
+    assert_bitwise(r, ro_ref)
+    assert_y_close(x, y_ref)
+    assert torch.equal(xp[:, n:], x_before[:, n:]) and torch.equal(rp[:, n:], r_before[:, n:])
+
+
+def test_extremes():
+    # Overflowing sums (an inf residual), a NaN row, an all-zero row.
+    n, dtype = 64, torch.bfloat16
+    gen = torch.Generator().manual_seed(5)
+    x, r = rows_of(3, n, dtype, gen), rows_of(3, n, dtype, gen)
+    big = torch.finfo(dtype).max
+    x[0], r[0] = big, big
+    x[1, 3] = float("nan")
+    x[2], r[2] = 0.0, 0.0
+    w = weight_of(n, gen)
+    with torch.no_grad():
+        y, ro = dsnorm.fused_add_rms_norm(x, r, w, EPS)
+    y_ref, ro_ref = fused_add_rms_norm_ref(x.cpu(), r.cpu(), w.cpu(), EPS)
+    assert_bitwise(ro, ro_ref)
+    assert max_ulp(y, y_ref) <= 1
+    assert bool(ro[0].isinf().all())
+    assert bool(y[1].isnan().all()) and bool((y[2] == 0).all())
+
+
+def test_empty_input():
+    w = torch.ones(7168, device="cuda")
+    x = torch.empty(0, 1, 7168, dtype=torch.bfloat16, device="cuda")
+    with torch.no_grad():
+        assert dsnorm.rms_norm(x, w).shape == x.shape
+        y, ro = dsnorm.fused_add_rms_norm(x, x.clone(), w)
+    assert y.shape == ro.shape == x.shape
+
+
+def test_batch_invariant():
+    # Decode (1 row) and prefill (4096 rows) launches give a row the same bits.
+    n = 7168
+    gen = torch.Generator().manual_seed(11)
+    x, r = rows_of(4096, n, torch.bfloat16, gen), rows_of(4096, n, torch.bfloat16, gen)
+    w = weight_of(n, gen)
+    with torch.no_grad():
+        y, ro = dsnorm.fused_add_rms_norm(x, r, w)
+        for i in (0, 1234, 4095):
+            y1, ro1 = dsnorm.fused_add_rms_norm(x[i:i + 1], r[i:i + 1], w)
+            assert_bitwise(y1, y[i:i + 1])
+            assert_bitwise(ro1, ro[i:i + 1])
+
+
+def test_cpu_weight_refused_by_name():
+    x = torch.randn(2, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises((ValueError, RuntimeError, TypeError), match="weight"):
+        dsnorm.rms_norm(x, torch.ones(64))
+
+
+# ---------------------------------------------------------------------------------------------
+# Training.
+
+
+def _grads(device, x, r, w, dy, dres):
+    xg = x.detach().to(device).requires_grad_(True)
+    wg = w.detach().to(device).requires_grad_(True)
+    if r is None:
+        y = dsnorm.rms_norm(xg, wg, EPS)
+        y.backward(dy.to(device))
+        return xg.grad, None, wg.grad
+    rg = r.detach().to(device).requires_grad_(True)
+    y, ro = dsnorm.fused_add_rms_norm(xg, rg, wg, EPS)
+    torch.autograd.backward((y, ro), (dy.to(device), dres.to(device)))
+    return xg.grad, rg.grad, wg.grad
+
+
+def _assert_grad_close(got, ref64, scale):
+    """Elementwise: one rounding of got's dtype, plus fp32 arithmetic error relative to ``scale``
+    (the size of the terms that were added; they can cancel to a much smaller gradient)."""
+    half_ulp = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-20}[got.dtype]
+    err = (got.double().cpu() - ref64).abs()
+    bound = half_ulp * ref64.abs() + 1e-6 * scale
+    assert bool((err <= bound).all()), f"max err {float(err.max())}, scale {scale}"
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("rows,n,stride", [(3, 111, None), (4, 512, 576), (4, 7168, None), (2, 9000, None)])
+def test_backward(fused, rows, n, stride):
+    # Against fp64 autograd of the reference formula (the CPU kernels' own test reference).
+    gen = torch.Generator().manual_seed(n * 3 + fused)
+    dtype = torch.bfloat16
+    x = rows_of(rows, n, dtype, gen, stride)
+    r = rows_of(rows, n, dtype, gen, stride, scale=4.0) if fused else None
+    w = weight_of(n, gen)
+    dy, dres = rows_of(rows, n, dtype, gen), rows_of(rows, n, dtype, gen)
+    dx, dr, dw = _grads("cuda", x, r, w, dy, dres)
+    s = x.cpu().float() + (0 if r is None else r.cpu().float())
+    ds64, dw64 = rms_norm_backward_ref(dy.cpu(), s, w.cpu(), EPS)
+    if fused:
+        ds64 = ds64 + dres.cpu().double()
+    rstd = torch.rsqrt(s.double().pow(2).mean(-1, keepdim=True) + EPS)
+    term = float((dy.cpu().double() * w.cpu().double() * rstd).abs().max())
+    scale = max(float(ds64.abs().max()), term)
+    _assert_grad_close(dx, ds64, scale)
+    if fused:
+        _assert_grad_close(dr, ds64, scale)
+    assert dw.dtype == torch.float32
+    _assert_grad_close(dw, dw64, float(dw64.abs().max()))
+
+
+def test_dweight_deterministic():
+    rows, n = 8192, 7168
+    gen = torch.Generator().manual_seed(3)
+    x, r = rows_of(rows, n, torch.bfloat16, gen), rows_of(rows, n, torch.bfloat16, gen)
+    w = weight_of(n, gen)
+    dy, dres = rows_of(rows, n, torch.bfloat16, gen), rows_of(rows, n, torch.bfloat16, gen)
+    first = _grads("cuda", x, r, w, dy, dres)
+    for _ in range(2):
+        again = _grads("cuda", x, r, w, dy, dres)
+        for a, b in zip(first, again):
+            assert_bitwise(a, b)
+
+
+# ---------------------------------------------------------------------------------------------
+# What a serving stack does with it: torch.compile, CUDA graphs.
+
+
+def test_module_under_torch_compile():
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(13)
+    norm = dsnorm.RMSNorm(7168).cuda()
+    with torch.no_grad():
+        norm.weight.copy_(weight_of(7168, gen))
+    x, r = rows_of(8, 7168, torch.bfloat16, gen).view(8, 1, 7168), rows_of(8, 7168, torch.bfloat16, gen).view(8, 1, 7168)
+
+    def block(x, r):
+        y, s = norm(x, r)
+        return y * 2, s
+
+    compiled = torch.compile(block, fullgraph=True)
+    with torch.no_grad():
+        eager = block(x, r)
+        got = compiled(x, r)
+    for a, b in zip(got, eager):
+        assert_bitwise(a, b)
+
+
+def test_cuda_graph_capture():
+    gen = torch.Generator().manual_seed(17)
+    norm = dsnorm.RMSNorm(7168).cuda()
+    with torch.no_grad():
+        norm.weight.copy_(weight_of(7168, gen))
+    x, r = rows_of(1, 7168, torch.bfloat16, gen).view(1, 1, 7168), rows_of(1, 7168, torch.bfloat16, gen).view(1, 1, 7168)
+    with torch.no_grad():
+        want = norm(x, r)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            norm(x, r)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            got = norm(x, r)
+        graph.replay()
+        torch.cuda.synchronize()
+    for a, b in zip(got, want):
+        assert_bitwise(a, b)
+
+
+# ---------------------------------------------------------------------------------------------
+# The DeepSeek fusions' Triton kernels.
+
+
+@pytest.mark.parametrize("scale_fmt", [None, "ue8m0"])
+def test_fp8_fusions(scale_fmt):
+    gen = torch.Generator().manual_seed(19)
+    n = 7168
+    x, r = rows_of(4, n, torch.bfloat16, gen), rows_of(4, n, torch.bfloat16, gen, scale=4.0)
+    w = weight_of(n, gen)
+    with torch.no_grad():
+        q, s, y = fusions.rms_norm_fp8(x, w, scale_fmt=scale_fmt, return_normed=True)
+        assert_y_close(y, rms_norm_ref(x.cpu(), w.cpu(), EPS))
+        q_ref, s_ref = act_quant_ref(y.cpu(), 128, scale_fmt)  # exact given the kernel's own y
+        assert torch.equal(q.cpu().view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s.cpu(), s_ref)
+        q, s, ro, y = fusions.fused_add_rms_norm_fp8(x, r, w, scale_fmt=scale_fmt, return_normed=True)
+        y_ref, ro_ref = fused_add_rms_norm_ref(x.cpu(), r.cpu(), w.cpu(), EPS)
+        assert_bitwise(ro, ro_ref)
+        assert_y_close(y, y_ref)
+        q_ref, s_ref = act_quant_ref(y.cpu(), 128, scale_fmt)
+        assert torch.equal(q.cpu().view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s.cpu(), s_ref)
+
+
+def test_final_norm_and_mla():
+    gen = torch.Generator().manual_seed(23)
+    h = rows_of(2 * 5, 7168, torch.bfloat16, gen).view(2, 5, 7168)
+    res = rows_of(2 * 5, 7168, torch.bfloat16, gen, scale=4.0).view(2, 5, 7168)
+    w = weight_of(7168, gen)
+    lengths = torch.tensor([5, 2], device="cuda")
+    with torch.no_grad():
+        y, ro = fusions.final_norm(h, res, w, lengths=lengths)
+    y_full, ro_full = fused_add_rms_norm_ref(h.cpu(), res.cpu(), w.cpu(), EPS)
+    for b, last in enumerate((4, 1)):
+        assert_bitwise(ro[b], ro_full[b, last])
+        assert_y_close(y[b], y_full[b, last])
+    q_latent = rows_of(3, 1536, torch.bfloat16, gen).view(3, 1, 1536)
+    kv_a = rows_of(3, 576, torch.bfloat16, gen).view(3, 1, 576)
+    qw, kvw = weight_of(1536, gen), weight_of(512, gen)
+    kv_before = kv_a.clone()
+    with torch.no_grad():
+        qn, kvn = fusions.mla_latent_norms(q_latent, kv_a, qw, kvw)
+    assert_y_close(qn, rms_norm_ref(q_latent.cpu(), qw.cpu(), EPS))
+    assert_y_close(kvn, rms_norm_ref(kv_a.cpu()[..., :512], kvw.cpu(), EPS))
+    assert torch.equal(kv_a, kv_before)
