@@ -449,7 +449,7 @@ def main(argv=None) -> int:
 
     def record(op, m, n, stride, name, ms, nbytes, ulp="", res="", note=""):
         gbs = nbytes / (ms * 1e-3) / 1e9
-        row = dict(op=op, M=m, N=n if stride is None else f"{n}/{stride}", impl=name, us=ms * 1e3, gbs=gbs,
+        row = dict(op=op, M=m, N=str(n) if stride is None else f"{n}/{stride}", impl=name, us=ms * 1e3, gbs=gbs,
                    pct_copy=100 * gbs / copy_gbs, max_ulp=ulp, residual_bitwise=res, note=note)
         rows.append(row)
         print(f"{op:10s} {m:6d} {row['N']:>9s} {name:14s} {row['us']:9.1f} us {gbs:7.0f} GB/s "

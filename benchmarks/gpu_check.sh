@@ -15,7 +15,8 @@
 #      forward and backward, fwd+bwd through autograd, decode latency under a CUDA graph;
 #   4. dsnorm bench --device cuda: the DeepSeek sites against the reference, torch.compile, Liger,
 #      F.rms_norm and the torch.add floor, decode also replayed from CUDA graphs;
-#   5. dsnorm bench --device cuda --backward --cases train: forward + backward at training shapes.
+#   5. dsnorm bench --device cuda --backward --cases train: forward + backward at training shapes;
+#   6. benchmarks/gpu_configs.py: the launch-configuration sweep behind the heuristics.
 # The exit status is the number of steps that failed.
 set -u
 OUT=${OUT:-/tmp/dsnorm-gpu}
@@ -46,9 +47,10 @@ step 60 tests.txt python3 -m pip install -q --no-index --no-deps --no-build-isol
 # Should the install fail (it counts as a failed step), the checks still run from the source tree.
 python3 -c "import dsnorm" 2>/dev/null || export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 step 20 tests.txt python3 -c "import dsnorm, torch; print('dsnorm', dsnorm.__version__, 'imported; cuda initialised:', torch.cuda.is_initialized())"
-step 120 tests.txt python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py
-step 120 gpu.txt python3 benchmarks/gpu.py --quick --no-compile --json "$OUT/gpu.json"
-step 180 bench.txt python3 -m dsnorm.cli bench --device cuda --json "$OUT/bench.json"
+step 110 tests.txt python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py
+step 110 gpu.txt python3 benchmarks/gpu.py --quick --no-compile --json "$OUT/gpu.json"
+step 170 bench.txt python3 -m dsnorm.cli bench --device cuda --json "$OUT/bench.json"
 step 60 bwd.txt python3 -m dsnorm.cli bench --device cuda --backward --cases train --json "$OUT/bwd.json"
+step 90 configs.txt python3 benchmarks/gpu_configs.py
 echo "steps failed: $failed" | tee -a "$OUT/tests.txt"
 exit "$failed"

@@ -1,0 +1,129 @@
+"""Launch-configuration sweep for the Triton kernels: the data behind dsnorm.triton.launch's heuristics.
+
+    python benchmarks/gpu_configs.py [--json FILE]      # on a CUDA machine, about two minutes
+
+For the DeepSeek shapes (bf16; N in 7168, 1536, 512-of-576; decode M=1 and 64, prefill M=16384)
+it times the forward (fused and plain) with every ``num_warps`` in 1..32 that covers the row, and
+the backward with its programs' thread budget ``BWD_PROGRAM_THREADS`` and ``num_warps`` varied,
+by overriding ``launch.config`` / ``launch.BWD_PROGRAM_THREADS`` for the sweep only. Prefill and
+backward: median of ``triton.testing.do_bench`` (L2 flushed), GB/s from the byte model of
+benchmarks/gpu.py. Decode: microseconds per call replayed from a CUDA graph of 200 calls, where
+launch overhead is gone and what is left is the kernel's latency. The row marked ``*`` is what the
+heuristic picks. Nothing here changes the library; results are read by a person.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+EPS = 1e-6
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", help="also write the rows to this JSON file")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print("benchmarks/gpu_configs.py: no CUDA device", file=sys.stderr)
+        return 2
+    import triton
+    from triton.testing import do_bench
+
+    from dsnorm.triton import launch
+
+    real_config, real_threads = launch.config, launch.BWD_PROGRAM_THREADS
+    rows = []
+
+    def inputs(m, n, parent=None):
+        g = torch.Generator(device="cuda").manual_seed(m + n)
+        width = parent or n
+        x = torch.randn(m, width, device="cuda", generator=g).bfloat16()[:, :n]
+        r = (4 * torch.randn(m, width, device="cuda", generator=g)).bfloat16()[:, :n]
+        dy = torch.randn(m, n, device="cuda", generator=g).bfloat16()
+        w = (1 + 0.1 * torch.randn(n, device="cuda", generator=g)).float()
+        return x, r, dy, w
+
+    def graphed_us(fn, calls=200):
+        fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+        graph.replay()
+        times = []
+        for _ in range(10):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            graph.replay()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) * 1e3 / calls)
+        return statistics.median(times)
+
+    def record(kind, m, n, knob, us, nbytes, picked):
+        gbs = nbytes / (us * 1e-6) / 1e9 if nbytes else None
+        rows.append(dict(kind=kind, M=m, N=n, knob=knob, us=us, gbs=gbs, picked=picked))
+        print(f"{kind:12s} M={m:6d} N={n:5d} {knob:24s} {us:9.2f} us"
+              + (f" {gbs:7.0f} GB/s" if gbs else "") + (" *" if picked else ""), flush=True)
+
+    shapes = [(1, 7168, None), (64, 7168, None), (16384, 7168, None), (1, 1536, None), (64, 1536, None),
+              (16384, 1536, None), (1, 512, 576), (64, 512, 576), (16384, 512, 576)]
+    for m, n, parent in shapes:
+        x, r, dy, w = inputs(m, n, parent)
+        block, picked_warps, single = real_config(n, torch.bfloat16)
+        for fused in (True, False):
+            y = torch.empty(m, n, dtype=x.dtype, device="cuda")
+            ro = torch.empty_like(y) if fused else None
+            res = r if fused else None
+            for warps in (1, 2, 4, 8, 16, 32):
+                if block // warps // 32 > 64 or block // warps // 32 < 1:
+                    continue  # more than 64 values a thread spills; fewer than one leaves threads idle
+                launch.config = lambda n_, dt_, _w=warps: (lambda c: (c[0], _w, c[2]))(real_config(n_, dt_))
+                try:
+                    def fn():
+                        launch.forward(x, res, w, EPS, False, False, y, ro, None)
+
+                    us = graphed_us(fn) if m <= 64 else do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e3
+                finally:
+                    launch.config = real_config
+                nbytes = (4 if fused else 2) * m * n * 2 + 4 * n
+                record("fwd-fused" if fused else "fwd-plain", m, n, f"warps={warps}", us, nbytes,
+                       warps == picked_warps)
+        if m < 4096:
+            continue
+        rstd = torch.empty(m, device="cuda")
+        y, ro = torch.empty(m, n, dtype=x.dtype, device="cuda"), torch.empty(m, n, dtype=x.dtype, device="cuda")
+        launch.forward(x, r, w, EPS, False, False, y, ro, rstd)
+        dx, dr, dw = torch.empty_like(y), torch.empty_like(y), torch.empty(n, device="cuda")
+        for threads in (1 << 17, 1 << 18, 1 << 19):
+            for warps in (picked_warps, picked_warps * 2):
+                if warps > 32:
+                    continue
+                launch.BWD_PROGRAM_THREADS = threads
+                launch.config = lambda n_, dt_, _w=warps: (lambda c: (c[0], _w, c[2]))(real_config(n_, dt_))
+                try:
+                    def fn():
+                        launch.backward(dy, x, r, w, rstd, None, False, dx, dr, dw)
+
+                    us = do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e3
+                finally:
+                    launch.config, launch.BWD_PROGRAM_THREADS = real_config, real_threads
+                record("bwd-fused", m, n, f"threads=2^{threads.bit_length() - 1} warps={warps}", us,
+                       5 * m * n * 2 + 4 * m + 8 * n, threads == real_threads and warps == picked_warps)
+        del x, r, dy, y, ro, dx, dr
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), triton=triton.__version__, rows=rows), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
