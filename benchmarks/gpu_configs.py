@@ -5,7 +5,8 @@
 For the DeepSeek shapes (bf16; N in 7168, 1536, 512-of-576; decode M=1 and 64, prefill M=16384)
 it times the forward (fused and plain) with every ``num_warps`` in 1..32 that covers the row, and
 the backward with its programs' thread budget ``BWD_PROGRAM_THREADS`` and ``num_warps`` varied,
-by overriding ``launch.config`` / ``launch.BWD_PROGRAM_THREADS`` for the sweep only. Prefill and
+by overriding ``launch.config`` / ``launch.backward_config`` / ``launch.BWD_PROGRAM_THREADS`` /
+``launch.BWD_PREFETCH`` for the sweep only (plus the fused forward in fp32 at [16384, 7168]). Prefill and
 backward: median of ``triton.testing.do_bench`` (L2 flushed), GB/s from the byte model of
 benchmarks/gpu.py. Decode: microseconds per call replayed from a CUDA graph of 200 calls, where
 launch overhead is gone and what is left is the kernel's latency. The row marked ``*`` is what the
@@ -37,7 +38,8 @@ def main(argv=None) -> int:
 
     from dsnorm.triton import launch
 
-    real_config, real_threads = launch.config, launch.BWD_PROGRAM_THREADS
+    real_config, real_bwd_config, real_threads = launch.config, launch.backward_config, launch.BWD_PROGRAM_THREADS
+    real_prefetch = launch.BWD_PREFETCH
     rows = []
 
     def inputs(m, n, parent=None):
@@ -78,6 +80,7 @@ def main(argv=None) -> int:
     for m, n, parent in shapes:
         x, r, dy, w = inputs(m, n, parent)
         block, picked_warps, single = real_config(n, torch.bfloat16)
+        picked_bwd_warps = real_bwd_config(n, torch.bfloat16)[1]
         for fused in (True, False):
             y = torch.empty(m, n, dtype=x.dtype, device="cuda")
             ro = torch.empty_like(y) if fused else None
@@ -102,23 +105,46 @@ def main(argv=None) -> int:
         y, ro = torch.empty(m, n, dtype=x.dtype, device="cuda"), torch.empty(m, n, dtype=x.dtype, device="cuda")
         launch.forward(x, r, w, EPS, False, False, y, ro, rstd)
         dx, dr, dw = torch.empty_like(y), torch.empty_like(y), torch.empty(n, device="cuda")
+        for prefetch in (False, True):
+            launch.BWD_PREFETCH = prefetch
+            try:
+                us = do_bench(lambda: launch.backward(dy, x, r, w, rstd, None, False, dx, dr, dw), warmup=10, rep=50,
+                              return_mode="median") * 1e3
+            finally:
+                launch.BWD_PREFETCH = real_prefetch
+            record("bwd-fused", m, n, f"prefetch={prefetch}", us, 5 * m * n * 2 + 4 * m + 8 * n,
+                   prefetch == real_prefetch)
         for threads in (1 << 17, 1 << 18, 1 << 19):
-            for warps in (picked_warps, picked_warps * 2):
-                if warps > 32:
+            for warps in (picked_bwd_warps // 2, picked_bwd_warps, picked_bwd_warps * 2):
+                if warps > 32 or warps < 1:
                     continue
                 launch.BWD_PROGRAM_THREADS = threads
-                launch.config = lambda n_, dt_, _w=warps: (lambda c: (c[0], _w, c[2]))(real_config(n_, dt_))
+                launch.backward_config = lambda n_, dt_, _w=warps: (lambda c: (c[0], _w, c[2]))(real_bwd_config(n_, dt_))
                 try:
                     def fn():
                         launch.backward(dy, x, r, w, rstd, None, False, dx, dr, dw)
 
                     us = do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e3
                 finally:
-                    launch.config, launch.BWD_PROGRAM_THREADS = real_config, real_threads
+                    launch.backward_config, launch.BWD_PROGRAM_THREADS = real_bwd_config, real_threads
                 record("bwd-fused", m, n, f"threads=2^{threads.bit_length() - 1} warps={warps}", us,
-                       5 * m * n * 2 + 4 * m + 8 * n, threads == real_threads and warps == picked_warps)
+                       5 * m * n * 2 + 4 * m + 8 * n, threads == real_threads and warps == picked_bwd_warps)
         del x, r, dy, y, ro, dx, dr
         torch.cuda.empty_cache()
+    # fp32 activations at the hidden width: is the bf16-measured forward rule right for 4-byte elements?
+    m, n = 16384, 7168
+    x, r, _, w = inputs(m, n)
+    x, r = x.float(), r.float()
+    y, ro = torch.empty_like(x), torch.empty_like(r)
+    picked = real_config(n, torch.float32)[1]
+    for warps in (4, 8, 16, 32):
+        launch.config = lambda n_, dt_, _w=warps: (lambda c: (c[0], _w, c[2]))(real_config(n_, dt_))
+        try:
+            us = do_bench(lambda: launch.forward(x, r, w, EPS, False, False, y, ro, None), warmup=10, rep=50,
+                          return_mode="median") * 1e3
+        finally:
+            launch.config = real_config
+        record("fwd-fused-f32", m, n, f"warps={warps}", us, 4 * m * n * 4 + 4 * n, warps == picked)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), triton=triton.__version__, rows=rows), f, indent=1)

@@ -28,9 +28,13 @@ SCRIPT = textwrap.dedent(
     from dsnorm.triton import kernels, launch
     from triton_aot import compile_launch, rows
 
-    def check(k, what, forward, fp="f32"):
+    assert not kernels.BIT_ARITHMETIC  # compiled: the hardware's conversions, not the interpreter's bit arithmetic
+
+    def check(k, what, forward, fp="f32", bf16=False):
         ptx = k.asm["ptx"]
         assert f"div.rn.{fp}" in ptx and (f"sqrt.rn.{fp}" in ptx) == forward, what  # the backward loads rstd
+        # bf16 stores round with the hardware's round-to-nearest-even conversion (one per 2 values)
+        assert ("cvt.rn.bf16x2.f32" in ptx or "cvt.rn.bf16.f32" in ptx) == bf16, what
         assert "div.full.f32" not in ptx and "div.approx" not in ptx and "sqrt.approx" not in ptx, what
         assert not re.search(r"\b(atom|red)\.", ptx), what  # no atomics anywhere: dweight is deterministic
         print("ok", what, file=sys.stderr)
@@ -53,12 +57,13 @@ SCRIPT = textwrap.dedent(
         res = None if rdtype is None else rows(r, n, rdtype, stride)
         ro = None if rdtype is None else rows(r, n, rdtype, stride)
         _, args, meta = launch.forward_params(x, res, w, 1e-6, hf, rf, y, ro, torch.empty(r, dtype=w.dtype))
-        check(compile_launch(kernels.rms_norm_fwd_kernel, args, meta), f"fwd {r}x{n} {dtype} {rdtype}", True, fp)
+        bf16 = torch.bfloat16 in (dtype, rdtype)
+        check(compile_launch(kernels.rms_norm_fwd_kernel, args, meta), f"fwd {r}x{n} {dtype} {rdtype}", True, fp, bf16)
         dres = None if rdtype is None else rows(r, n, rdtype, stride)
         partials = launch.backward_partials(x)
         _, args, meta = launch.backward_params(rows(r, n, dtype, stride), x, res, w, torch.ones(r, dtype=w.dtype), dres, rf,
                                                rows(r, n, dtype, stride), dres, partials)
-        check(compile_launch(kernels.rms_norm_bwd_kernel, args, meta), f"bwd {r}x{n} {dtype} {rdtype}", False, fp)
+        check(compile_launch(kernels.rms_norm_bwd_kernel, args, meta), f"bwd {r}x{n} {dtype} {rdtype}", False, fp, bf16)
         launch.MAX_BLOCK_N = 8192
     print("ALL OK")
     """

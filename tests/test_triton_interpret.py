@@ -62,6 +62,7 @@ DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 @pytest.fixture(scope="module", autouse=True)
 def _interpreted_kernels():
     assert isinstance(kernels.rms_norm_fwd_kernel, InterpretedFunction), "kernels are not interpreted"
+    assert kernels.BIT_ARITHMETIC, "interpreted kernels must convert bf16 by bit arithmetic (the interpreter truncates)"
     yield
     if _TRITON_PREIMPORTED:
         importlib.reload(kernels)  # compiled again for whatever runs next
@@ -447,8 +448,11 @@ def test_multi_block_backward(small_blocks, dtype):
     _check_backward(x, None, w, rstd, None, False, x.float(), gen)
 
 
-def test_backward_rows_per_program(small_blocks):
-    # Several rows per program on the single-block path too (dweight partials over row blocks).
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_backward_rows_per_program(small_blocks, monkeypatch, prefetch):
+    # Several rows per program on the single-block path too (dweight partials over row blocks), the
+    # last program's block partial (7 rows, 4 a program), with and without the next-row prefetch.
+    monkeypatch.setattr(launch, "BWD_PREFETCH", prefetch)
     rows, n = 7, 48
     dtype = torch.bfloat16
     assert launch.config(n, dtype)[2] and launch.backward_rows_per_program(rows, n, dtype) > 1

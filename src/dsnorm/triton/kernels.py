@@ -11,11 +11,15 @@ Why the kernels look the way they do:
   (``div_rn`` / ``sqrt_rn``: Triton's plain ``/`` and ``sqrt`` are approximate for fp32 on
   NVIDIA), ``xhat = s * rstd``, then ``weight * xhat`` and one rounding to the output dtype. The
   only freedom taken is the order of the sum of squares (a tree instead of torch's cascade).
-* Conversions between bf16 and fp32 are written as integer bit arithmetic: round to nearest even
-  with NaN kept NaN on the way down, a 16-bit shift on the way up. On the GPU this costs a few
-  integer ops per element in a memory-bound kernel; in the Triton interpreter (``TRITON_INTERPRET``,
-  which the CPU tests use) it is what makes the result bit-exact, because the interpreter's own
-  ``.to(tl.bfloat16)`` truncates and its bf16 -> fp32 widening flushes subnormals.
+* Conversions between bf16 and fp32: compiled for a GPU, the hardware's own (``cvt.rn.bf16x2.f32``
+  rounds to nearest even; widening is exact), one instruction per two elements. Under Triton's
+  interpreter (``TRITON_INTERPRET=1``, which the CPU tests use) integer bit arithmetic instead:
+  round to nearest even with NaN kept NaN on the way down, a 16-bit shift on the way up, because
+  the interpreter's own ``.to(tl.bfloat16)`` truncates and its widening flushes subnormals. Both
+  give the same bits (NaN payloads aside); the choice is made when this module is imported
+  (``BIT_ARITHMETIC``). The bit arithmetic used to run on the GPU too: about a dozen integer ops per
+  element, which on an H200 held the fused forward at 84% of copy bandwidth against 97% without
+  it (benchmarks/gpu_configs.py, [16384, 7168] bf16).
 * Each program owns whole rows (``ROWS_PER_PROG`` consecutive rows) and the per-row arithmetic
   depends only on ``n`` and the dtypes (through ``BLOCK_N`` and the launch's warp count), never on
   the number of rows: a row's bits are the same in a launch of 1 row or of 16384 (batch invariance).
@@ -30,8 +34,22 @@ Why the kernels look the way they do:
   partials in a fixed order. No atomics.
 """
 
+import os
+
 import triton
 import triton.language as tl
+
+
+def _interpreting() -> bool:
+    knobs = getattr(triton, "knobs", None)  # Triton >= 3.4 reads the variable through its knobs
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+# Exact conversions by integer arithmetic (interpreter) or by the hardware's instructions (GPU):
+# decided when the module is imported, as Triton decides whether to interpret its kernels.
+BIT_ARITHMETIC = tl.constexpr(_interpreting())
 
 # ---------------------------------------------------------------------------------------------
 # Exact conversions.
@@ -55,7 +73,7 @@ def _bf16_rne_bits(v):
 @triton.jit
 def _widen(v, CD: tl.constexpr):
     """Loaded values -> compute dtype, exactly (bf16 by bit placement, see the module docstring)."""
-    if v.dtype == tl.bfloat16:
+    if v.dtype == tl.bfloat16 and BIT_ARITHMETIC:
         out = (v.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True).to(CD)
     else:
         out = v.to(CD)
@@ -65,7 +83,7 @@ def _widen(v, CD: tl.constexpr):
 @triton.jit
 def _narrow(v, DT: tl.constexpr):
     """Compute-dtype values -> storage dtype ``DT``, round to nearest even."""
-    if DT == tl.bfloat16:
+    if DT == tl.bfloat16 and BIT_ARITHMETIC:
         out = _bf16_rne_bits(v).to(tl.uint16).to(tl.bfloat16, bitcast=True)
     else:
         out = v.to(DT)
@@ -75,7 +93,7 @@ def _narrow(v, DT: tl.constexpr):
 @triton.jit
 def _round_to(v, DT: tl.constexpr, CD: tl.constexpr):
     """``v.to(DT).to(CD)``: the value rounded to ``DT`` but kept in the compute dtype."""
-    if DT == tl.bfloat16:
+    if DT == tl.bfloat16 and BIT_ARITHMETIC:
         out = (_bf16_rne_bits(v) << 16).to(tl.float32, bitcast=True)
     elif DT == CD:
         out = v
@@ -256,6 +274,8 @@ def rms_norm_bwd_kernel(
     HAS_RESIDUAL: tl.constexpr,  # the forward was the fused form
     HAS_DRO: tl.constexpr,  # residual_out received a gradient: ds += d residual_out
     ROUND_FIRST: tl.constexpr,  # the forward normalised s rounded to x's dtype
+    PREFETCH: tl.constexpr,  # single block: load the next row's x, residual, dy before this row's
+    # reduction, so that a program (one or two resident per SM at these widths) keeps loads in flight
     CD: tl.constexpr,  # compute dtype
 ):
     pid = tl.program_id(0)
@@ -269,12 +289,25 @@ def rms_norm_bwd_kernel(
         mask = cols < n_cols
         w = tl.load(W + cols, mask=mask, other=0.0).to(CD)
         dw = tl.full([BLOCK_N], 0.0, CD)
+        if PREFETCH:  # the first row's inputs; each iteration then loads the next row's
+            s_next = _load_s(X + row_begin * stride_x + cols, R + row_begin * stride_r + cols, mask, HAS_RESIDUAL,
+                             ROUND_FIRST, X.dtype.element_ty, CD)
+            dy_next = _widen(tl.load(DY + row_begin * stride_dy + cols, mask=mask, other=0.0), CD)
         for row64 in range(row_begin, row_end):
-            s = _load_s(X + row64 * stride_x + cols, R + row64 * stride_r + cols, mask, HAS_RESIDUAL, ROUND_FIRST,
-                        X.dtype.element_ty, CD)
+            if PREFETCH:
+                s = s_next
+                dy = dy_next
+                # Past the program's last row the loads are masked off (nothing is read).
+                more = cols < tl.where(row64 + 1 < row_end, n_cols, 0)
+                s_next = _load_s(X + (row64 + 1) * stride_x + cols, R + (row64 + 1) * stride_r + cols, more,
+                                 HAS_RESIDUAL, ROUND_FIRST, X.dtype.element_ty, CD)
+                dy_next = _widen(tl.load(DY + (row64 + 1) * stride_dy + cols, mask=more, other=0.0), CD)
+            else:
+                s = _load_s(X + row64 * stride_x + cols, R + row64 * stride_r + cols, mask, HAS_RESIDUAL,
+                            ROUND_FIRST, X.dtype.element_ty, CD)
+                dy = _widen(tl.load(DY + row64 * stride_dy + cols, mask=mask, other=0.0), CD)
             rstd = tl.load(RSTD + row64).to(CD)
             xhat = s * rstd
-            dy = _widen(tl.load(DY + row64 * stride_dy + cols, mask=mask, other=0.0), CD)
             g = dy * w
             ds = rstd * (g - xhat * _mean(_row_sum(g * xhat), n_cols, CD))
             if HAS_DRO:
