@@ -16,7 +16,8 @@
 #   4. dsnorm bench --device cuda: the DeepSeek sites against the reference, torch.compile, Liger,
 #      F.rms_norm and the torch.add floor, decode also replayed from CUDA graphs;
 #   5. dsnorm bench --device cuda --backward --cases train: forward + backward at training shapes;
-#   6. benchmarks/gpu_configs.py: the launch-configuration sweep behind the heuristics.
+#   6. benchmarks/gpu_configs.py: the launch-configuration sweep behind the heuristics;
+#   7. benchmarks/gpu_host_profile.py: the host's share of an eager call (dsnorm against Liger).
 # The exit status is the number of steps that failed.
 set -u
 OUT=${OUT:-/tmp/dsnorm-gpu}
@@ -52,5 +53,6 @@ step 110 gpu.txt python3 benchmarks/gpu.py --quick --no-compile --json "$OUT/gpu
 step 170 bench.txt python3 -m dsnorm.cli bench --device cuda --json "$OUT/bench.json"
 step 60 bwd.txt python3 -m dsnorm.cli bench --device cuda --backward --cases train --json "$OUT/bwd.json"
 step 90 configs.txt python3 benchmarks/gpu_configs.py
+step 60 configs.txt python3 benchmarks/gpu_host_profile.py
 echo "steps failed: $failed" | tee -a "$OUT/tests.txt"
 exit "$failed"

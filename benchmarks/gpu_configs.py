@@ -6,7 +6,7 @@ For the DeepSeek shapes (bf16; N in 7168, 1536, 512-of-576; decode M=1 and 64, p
 it times the forward (fused and plain) with every ``num_warps`` in 1..32 that covers the row, and
 the backward with its programs' thread budget ``BWD_PROGRAM_THREADS`` and ``num_warps`` varied,
 by overriding ``launch.config`` / ``launch.backward_config`` / ``launch.BWD_PROGRAM_THREADS`` /
-``launch.BWD_PREFETCH`` for the sweep only (plus the fused forward in fp32 at [16384, 7168]). Prefill and
+``launch.BWD_PREFETCH`` (at every width) for the sweep only (plus the fused forward in fp32 at [16384, 7168]). Prefill and
 backward: median of ``triton.testing.do_bench`` (L2 flushed), GB/s from the byte model of
 benchmarks/gpu.py. Decode: microseconds per call replayed from a CUDA graph of 200 calls, where
 launch overhead is gone and what is left is the kernel's latency. The row marked ``*`` is what the
@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     from dsnorm.triton import launch
 
     real_config, real_bwd_config, real_threads = launch.config, launch.backward_config, launch.BWD_PROGRAM_THREADS
-    real_prefetch = launch.BWD_PREFETCH
+    real_prefetch, real_min_block = launch.BWD_PREFETCH, launch.BWD_PREFETCH_MIN_BLOCK
     rows = []
 
     def inputs(m, n, parent=None):
@@ -105,15 +105,16 @@ def main(argv=None) -> int:
         y, ro = torch.empty(m, n, dtype=x.dtype, device="cuda"), torch.empty(m, n, dtype=x.dtype, device="cuda")
         launch.forward(x, r, w, EPS, False, False, y, ro, rstd)
         dx, dr, dw = torch.empty_like(y), torch.empty_like(y), torch.empty(n, device="cuda")
+        picked_prefetch = real_prefetch and real_bwd_config(n, torch.bfloat16)[0] >= real_min_block
         for prefetch in (False, True):
-            launch.BWD_PREFETCH = prefetch
+            launch.BWD_PREFETCH, launch.BWD_PREFETCH_MIN_BLOCK = prefetch, 1
             try:
                 us = do_bench(lambda: launch.backward(dy, x, r, w, rstd, None, False, dx, dr, dw), warmup=10, rep=50,
                               return_mode="median") * 1e3
             finally:
-                launch.BWD_PREFETCH = real_prefetch
+                launch.BWD_PREFETCH, launch.BWD_PREFETCH_MIN_BLOCK = real_prefetch, real_min_block
             record("bwd-fused", m, n, f"prefetch={prefetch}", us, 5 * m * n * 2 + 4 * m + 8 * n,
-                   prefetch == real_prefetch)
+                   prefetch == picked_prefetch)
         for threads in (1 << 17, 1 << 18, 1 << 19):
             for warps in (picked_bwd_warps // 2, picked_bwd_warps, picked_bwd_warps * 2):
                 if warps > 32 or warps < 1:

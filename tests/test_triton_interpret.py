@@ -453,6 +453,7 @@ def test_backward_rows_per_program(small_blocks, monkeypatch, prefetch):
     # Several rows per program on the single-block path too (dweight partials over row blocks), the
     # last program's block partial (7 rows, 4 a program), with and without the next-row prefetch.
     monkeypatch.setattr(launch, "BWD_PREFETCH", prefetch)
+    monkeypatch.setattr(launch, "BWD_PREFETCH_MIN_BLOCK", 1)
     rows, n = 7, 48
     dtype = torch.bfloat16
     assert launch.config(n, dtype)[2] and launch.backward_rows_per_program(rows, n, dtype) > 1
