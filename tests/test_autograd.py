@@ -118,3 +118,44 @@ def test_inplace_form_refuses_grad():
     x = torch.randn(2, 8, requires_grad=True)
     with pytest.raises(RuntimeError, match="no gradient"):
         dsnorm.fused_add_rms_norm_(x, torch.randn(2, 8), torch.ones(8))
+
+
+def test_training_calls_the_ops_only_when_observed(monkeypatch):
+    # Plain eager training runs the ops' implementations directly (no dispatcher round trip); under
+    # a dispatch mode the Functions' forward and backward go through torch.ops, where it sees them.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from dsnorm import autograd
+
+    def step():
+        x = _rand((3, 64), torch.bfloat16).requires_grad_(True)
+        r = _rand((3, 64), torch.bfloat16, seed=1).requires_grad_(True)
+        w = torch.ones(64, requires_grad=True)
+        y, s = dsnorm.fused_add_rms_norm(x, r, w)
+        (y.float().sum() + s.float().sum()).backward()
+        y = dsnorm.rms_norm(x, w)
+        y.float().sum().backward()
+        return x.grad, r.grad, w.grad
+
+    want = step()
+    seen = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        got = step()
+    for name in ("fused_add_rms_norm_fwd", "fused_add_rms_norm_bwd", "rms_norm_fwd", "rms_norm_bwd"):
+        assert f"dsnorm.{name}.default" in seen, name
+    for a, b in zip(got, want):
+        assert bits_equal(a, b)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the dispatcher was used in plain eager training")
+
+    for name in ("_fwd", "_bwd", "_fused_fwd", "_fused_bwd"):
+        monkeypatch.setattr(autograd, name, refuse)
+    for a, b in zip(step(), want):
+        assert bits_equal(a, b)

@@ -5,10 +5,11 @@
 ``"hf"`` and ``"round_first"`` roundings pass gradients straight through).
 
 When no gradient is needed the functions skip the Function (nothing is saved), and in plain
-eager code they call the op's implementation directly: at decode sizes the dispatcher's round trip
-(~2 µs) costs more than the norm. The op itself is used whenever anything could observe the
-difference: torch.compile tracing, tensor subclasses (DTensor, FakeTensor), functorch transforms,
-and torch function or dispatch modes (CommDebugMode, FlopCounterMode...).
+eager code they, and the Functions' forward and backward, call the op's implementation directly: at
+decode sizes the dispatcher's round trip (~2.5 µs a call on the CI machine) costs more than the
+norm. The op itself is used whenever anything could observe the difference: torch.compile
+tracing, tensor subclasses (DTensor, FakeTensor), functorch transforms, and torch function or
+dispatch modes (CommDebugMode, FlopCounterMode...).
 """
 
 from __future__ import annotations
@@ -34,14 +35,15 @@ class RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, eps, cast):
-        y, rstd = _fwd(x, weight, eps, cast)
+        y, rstd = (ops.rms_norm_fwd if _direct(x, weight) else _fwd)(x, weight, eps, cast)
         ctx.save_for_backward(x, weight, rstd)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         x, weight, rstd = ctx.saved_tensors
-        dx, dweight = _bwd(dy.contiguous(), x, weight, rstd)
+        dy = dy.contiguous()
+        dx, dweight = (ops.rms_norm_bwd if _direct(dy, x, weight, rstd) else _bwd)(dy, x, weight, rstd)
         return dx, dweight, None, None
 
 
@@ -50,7 +52,8 @@ class FusedAddRMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, residual, weight, eps, cast, residual_rounding, residual_dtype):
-        y, residual_out, rstd = _fused_fwd(x, residual, weight, eps, cast, residual_rounding, residual_dtype)
+        fwd = ops.fused_add_rms_norm_fwd if _direct(x, residual, weight) else _fused_fwd
+        y, residual_out, rstd = fwd(x, residual, weight, eps, cast, residual_rounding, residual_dtype)
         ctx.save_for_backward(x, residual, weight, rstd)
         ctx.residual_rounding = residual_rounding
         return y, residual_out
@@ -60,10 +63,11 @@ class FusedAddRMSNormFunction(torch.autograd.Function):
         x, residual, weight, rstd = ctx.saved_tensors
         if dy is None:
             dy = torch.zeros_like(x)
-        dx, dresidual, dweight = _fused_bwd(
-            dy.contiguous(), x, residual, weight, rstd,
-            None if dresidual_out is None else dresidual_out.contiguous(), ctx.residual_rounding,
-        )
+        dy = dy.contiguous()
+        dro = None if dresidual_out is None else dresidual_out.contiguous()
+        bwd = ops.fused_add_rms_norm_bwd if _direct(dy, x, residual, weight, rstd, *(() if dro is None else (dro,))) \
+            else _fused_bwd
+        dx, dresidual, dweight = bwd(dy, x, residual, weight, rstd, dro, ctx.residual_rounding)
         return dx, dresidual, dweight, None, None, None, None
 
 
