@@ -159,3 +159,45 @@ def test_training_calls_the_ops_only_when_observed(monkeypatch):
         monkeypatch.setattr(autograd, name, refuse)
     for a, b in zip(step(), want):
         assert bits_equal(a, b)
+
+
+def test_meta_tensors_take_the_op():
+    # Meta tensors (model skeletons built under torch.device("meta")) are shaped by the ops' fakes,
+    # in training too.
+    with torch.device("meta"):
+        norm = dsnorm.RMSNorm(64)
+        x = torch.randn(2, 3, 64, requires_grad=True)
+        y = norm(x)
+        y2, s = norm(x, torch.randn(2, 3, 64))
+    assert y.shape == y2.shape == s.shape == (2, 3, 64) and y.is_meta and s.is_meta
+    y.sum().backward()
+    assert x.grad.is_meta and norm.weight.grad.shape == (64,)
+
+
+def test_profiler_sees_the_ops():
+    x = _rand((3, 64), torch.bfloat16).requires_grad_(True)
+    r = _rand((3, 64), torch.bfloat16, seed=1).requires_grad_(True)
+    w = torch.ones(64, requires_grad=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        y, s = dsnorm.fused_add_rms_norm(x, r, w)
+        (y.float().sum() + s.float().sum()).backward()
+        with torch.no_grad():
+            dsnorm.rms_norm(x, w)
+    names = {e.name for e in prof.events()}
+    for name in ("dsnorm::fused_add_rms_norm_fwd", "dsnorm::fused_add_rms_norm_bwd", "dsnorm::rms_norm"):
+        assert name in names, name
+
+
+def test_double_backward_is_refused_by_name():
+    # The kernels' backward is not differentiable: create_graph=True gets a clear error rather than a
+    # second-order term that is wrong or silently dropped.
+    x = _rand((3, 64)).requires_grad_(True)
+    r = _rand((3, 64), seed=1).requires_grad_(True)
+    w = torch.ones(64, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(RuntimeError, match="rms_norm: double backward is not supported"):
+        torch.autograd.grad(dsnorm.rms_norm(x, w).pow(2).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="fused_add_rms_norm: double backward is not supported"):
+        torch.autograd.grad(dsnorm.fused_add_rms_norm(x, r, w)[0].pow(2).sum(), x, create_graph=True)
+    # Without create_graph nothing changes.
+    (gx,) = torch.autograd.grad(dsnorm.rms_norm(x, w).pow(2).sum(), x)
+    assert gx.shape == x.shape

@@ -30,6 +30,16 @@ _bwd = torch.ops.dsnorm.rms_norm_bwd
 _fused_bwd = torch.ops.dsnorm.fused_add_rms_norm_bwd
 
 
+def _refuse_double_backward(what: str) -> None:
+    # The kernels' backward has no derivative of its own: under create_graph=True (grad mode on in
+    # the backward) a second-order term through the norm would be wrong or silently dropped.
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            f"dsnorm.{what}: double backward is not supported (the backward ran with create_graph=True); "
+            "use dsnorm.RMSNormRef (the eager reference) where second derivatives are needed"
+        )
+
+
 class RMSNormFunction(torch.autograd.Function):
     """``rms_norm`` on 2-D ``[rows, n]`` input; weight in the compute dtype."""
 
@@ -41,6 +51,7 @@ class RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        _refuse_double_backward("rms_norm")
         x, weight, rstd = ctx.saved_tensors
         dy = dy.contiguous()
         dx, dweight = (ops.rms_norm_bwd if _direct(dy, x, weight, rstd) else _bwd)(dy, x, weight, rstd)
@@ -60,6 +71,7 @@ class FusedAddRMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, dresidual_out):
+        _refuse_double_backward("fused_add_rms_norm")
         x, residual, weight, rstd = ctx.saved_tensors
         if dy is None:
             dy = torch.zeros_like(x)
@@ -81,7 +93,8 @@ def _direct(*tensors) -> bool:
     if not ops.dispatch_free():
         return False
     for t in tensors:
-        if type(t) not in _PLAIN_TYPES:
+        # Meta tensors (and other devices) take the op: its fake implementation shapes them.
+        if type(t) not in _PLAIN_TYPES or not (t.is_cpu or t.is_cuda):
             return False
     return True
 

@@ -256,17 +256,19 @@ _functorch_level = torch._C._functorch.peek_interpreter_stack
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 _function_modes = torch._C._is_torch_function_mode_enabled
 _tracing_state = torch._C._get_tracing_state
+_profiler_enabled = torch._C._autograd._profiler_enabled
 
 
 def dispatch_free() -> bool:
     """True when nothing observes or transforms op calls: no torch.compile/export tracing (checked
     first: nothing after it needs tracing), functorch transform, torch dispatch or function mode,
-    or torch.jit trace (which records ops, not what an implementation does). Then calling an op's
-    implementation directly is indistinguishable from calling the op. The probes are torch's C
-    functions without their Python wrappers: this runs on every decode call."""
+    torch.jit trace (which records ops, not what an implementation does) or torch.profiler (which
+    records ops at the dispatcher). Then calling an op's implementation directly is
+    indistinguishable from calling the op. The probes are torch's C functions without their Python
+    wrappers: this runs on every decode call."""
     return not (
         _is_compiling() or _functorch_level() is not None or _dispatch_modes() or _function_modes()
-        or _tracing_state()
+        or _tracing_state() or _profiler_enabled()
     )
 
 

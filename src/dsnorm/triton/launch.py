@@ -51,7 +51,8 @@ BWD_PROGRAM_THREADS = 1 << 18
 # blocks of at least BWD_PREFETCH_MIN_BLOCK columns: there a 16-warp program has its SM to itself and
 # nothing else hides its load latency. Measured on an H200, fused bf16 [16384, n]: n=7168 318 us
 # with it against 359 without; n=1536 113 against 101 and n=512 73 against 68 (several programs
-# share an SM there, and the prefetched rows only cost registers).
+# share an SM there, and the prefetched rows only cost registers). 16-bit inputs only: fp32/fp64 rows
+# hold twice the registers and were not measured.
 BWD_PREFETCH = True
 BWD_PREFETCH_MIN_BLOCK = 4096
 
@@ -178,7 +179,7 @@ def backward_params(dy, x, residual, weight, rstd, dresidual_out, round_first, d
         HAS_RESIDUAL=residual is not None,
         HAS_DRO=dresidual_out is not None,
         ROUND_FIRST=bool(round_first) and residual is not None,
-        PREFETCH=BWD_PREFETCH and single and block >= BWD_PREFETCH_MIN_BLOCK,
+        PREFETCH=BWD_PREFETCH and single and block >= BWD_PREFETCH_MIN_BLOCK and x.element_size() == 2,
         CD=_compute_dtype(x.dtype),
         num_warps=warps,
     )
