@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 import traceback
@@ -378,6 +377,7 @@ def fwd_bwd_runner(name, op, x, r, w, dy):
 def decode_latency(quick: bool):
     import torch
 
+    from dsnorm.bench import graph_replay_time
     from dsnorm.triton import launch
 
     x, r, w, _ = make_inputs(1, 7168, None, seed=3)
@@ -387,28 +387,7 @@ def decode_latency(quick: bool):
     def step():
         launch.forward(x, r, w, EPS, False, False, y, ro, None)
 
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            step()
-    reps = 20 if quick else 100
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    graphed = statistics.median(times)
+    graphed = graph_replay_time(step, calls, 20 if quick else 100) * 1e6
     ok = check_forward(x, r, w, y, ro)
     torch.cuda.synchronize()
     t0 = time.perf_counter()

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 
 EPS = 1e-6
@@ -36,6 +35,7 @@ def main(argv=None) -> int:
     import triton
     from triton.testing import do_bench
 
+    from dsnorm.bench import graph_replay_time
     from dsnorm.triton import launch
 
     real_config, real_bwd_config, real_threads = launch.config, launch.backward_config, launch.BWD_PROGRAM_THREADS
@@ -51,23 +51,12 @@ def main(argv=None) -> int:
         w = (1 + 0.1 * torch.randn(n, device="cuda", generator=g)).float()
         return x, r, dy, w
 
-    def graphed_us(fn, calls=200):
-        fn()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(calls):
-                fn()
-        graph.replay()
-        times = []
-        for _ in range(10):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            graph.replay()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) * 1e3 / calls)
-        return statistics.median(times)
+    def graphed_us(fn):
+        return graph_replay_time(fn, calls=200, reps=10) * 1e6
+
+    def with_warps(real, warps):
+        # ``real``'s (BLOCK_N, num_warps, single_block) with the warps replaced.
+        return lambda n_, dt_: (lambda c: (c[0], warps, c[2]))(real(n_, dt_))
 
     def record(kind, m, n, knob, us, nbytes, picked):
         gbs = nbytes / (us * 1e-6) / 1e9 if nbytes else None
@@ -88,7 +77,7 @@ def main(argv=None) -> int:
             for warps in (1, 2, 4, 8, 16, 32):
                 if block // warps // 32 > 64 or block // warps // 32 < 1:
                     continue  # more than 64 values a thread spills; fewer than one leaves threads idle
-                launch.config = lambda n_, dt_, _w=warps: (lambda c: (c[0], _w, c[2]))(real_config(n_, dt_))
+                launch.config = with_warps(real_config, warps)
                 try:
                     def fn():
                         launch.forward(x, res, w, EPS, False, False, y, ro, None)
@@ -120,7 +109,7 @@ def main(argv=None) -> int:
                 if warps > 32 or warps < 1:
                     continue
                 launch.BWD_PROGRAM_THREADS = threads
-                launch.backward_config = lambda n_, dt_, _w=warps: (lambda c: (c[0], _w, c[2]))(real_bwd_config(n_, dt_))
+                launch.backward_config = with_warps(real_bwd_config, warps)
                 try:
                     def fn():
                         launch.backward(dy, x, r, w, rstd, None, False, dx, dr, dw)
@@ -139,7 +128,7 @@ def main(argv=None) -> int:
     y, ro = torch.empty_like(x), torch.empty_like(r)
     picked = real_config(n, torch.float32)[1]
     for warps in (4, 8, 16, 32):
-        launch.config = lambda n_, dt_, _w=warps: (lambda c: (c[0], _w, c[2]))(real_config(n_, dt_))
+        launch.config = with_warps(real_config, warps)
         try:
             us = do_bench(lambda: launch.forward(x, r, w, EPS, False, False, y, ro, None), warmup=10, rep=50,
                           return_mode="median") * 1e3

@@ -777,26 +777,32 @@ def measure(runners: list, settings: Settings, device: torch.device) -> dict:
 GRAPH_CALLS = 100
 
 
-def graph_call_time(runner: Runner, reps: int = 20) -> float:
-    """Seconds per call with :data:`GRAPH_CALLS` calls of ``runner`` captured in one CUDA graph and
-    the graph replayed (median over ``reps`` replays): the call as a serving loop that captures
-    its step pays for it, with no Python and no launch overhead per call. In-place runners run on
-    one input set throughout (the values drift; the work per call does not)."""
-    args = runner.args()
+def graph_replay_time(fn: Callable[[], object], calls: int = GRAPH_CALLS, reps: int = 20) -> float:
+    """Seconds per call with ``calls`` calls of ``fn()`` captured in one CUDA graph and the graph
+    replayed (median over ``reps`` replays): the call as a serving loop that captures its step
+    pays for it, with no Python and no launch overhead per call. (Also used by benchmarks/gpu.py
+    and benchmarks/gpu_configs.py.)"""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up off the capture stream, as torch.cuda.graphs asks
         for _ in range(3):
-            runner.fn(*args)
+            fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(GRAPH_CALLS):
-            runner.fn(*args)
+        for _ in range(calls):
+            fn()
     graph.replay()
     clock = _Clock(torch.device("cuda"))
     stamps = [clock.call(graph.replay, ()) for _ in range(reps)]
-    return statistics.median(clock.resolve(stamps)) / GRAPH_CALLS
+    return statistics.median(clock.resolve(stamps)) / calls
+
+
+def graph_call_time(runner: Runner) -> float:
+    """:func:`graph_replay_time` of a runner on one set of its arguments (in-place runners then
+    work on one input set throughout: the values drift, the work per call does not)."""
+    args = runner.args()
+    return graph_replay_time(lambda: runner.fn(*args))
 
 
 def copy_bandwidth(device: torch.device, megabytes: int = 256, reps: int = 10) -> float:
@@ -1019,8 +1025,10 @@ def run_case(case: Case, ctx: _Context, settings: Settings, progress: Progress, 
             for row in rows:
                 if not row["available"]:
                     continue
+                runner = graphed[row["name"]]
                 try:
-                    row["graph_us"] = graph_call_time(graphed[row["name"]]) * 1e6
+                    seconds = graph_call_time(runner)
+                    row.update(graph_us=seconds * 1e6, graph_gbps=runner.nbytes / seconds / 1e9)
                 except Exception as e:  # a provider that cannot be captured says why
                     row["graph_note"] = f"CUDA graph capture failed: {type(e).__name__}: {str(e)[:80]}"
     progress.step(f"{case.name}: timed")
@@ -1043,9 +1051,6 @@ def run_case(case: Case, ctx: _Context, settings: Settings, progress: Progress, 
             if name != DSNORM:
                 ratios[name] = median_s / ds
     graph_us = {row["name"]: row["graph_us"] for row in rows if row.get("graph_us")}
-    for row in rows:
-        if row.get("graph_us"):
-            row["graph_gbps"] = by_name[row["name"]].nbytes / (row["graph_us"] * 1e-6) / 1e9
     ratios_graph = {name: us / graph_us[DSNORM] for name, us in graph_us.items() if name != DSNORM} \
         if DSNORM in graph_us else {}
     out = {
