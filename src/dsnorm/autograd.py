@@ -93,8 +93,10 @@ def _direct(*tensors) -> bool:
     if not ops.dispatch_free():
         return False
     for t in tensors:
-        # Meta tensors (and other devices) take the op: its fake implementation shapes them.
-        if type(t) not in _PLAIN_TYPES or not (t.is_cpu or t.is_cuda):
+        # Meta tensors (and other devices) take the op: its fake implementation shapes them. So
+        # do a lazily negated view (x.conj().imag) and a ZeroTensor (no memory): the dispatcher
+        # resolves them, the kernels read raw memory.
+        if type(t) not in _PLAIN_TYPES or not (t.is_cpu or t.is_cuda) or t.is_neg() or t._is_zerotensor():
             return False
     return True
 
@@ -110,8 +112,14 @@ def _compute_weight(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if weight.layout is not torch.strided:
+        ops.check_dense(weight, "weight")
     # The kernels read the gain with unit stride: a strided or expanded one is copied (it is small).
     wdtype = weight.dtype
+    # A ZeroTensor has no memory (the dispatcher would hand the op an expanded zero); the probe is
+    # eager-only: dynamo cannot trace it, and compiled graphs materialise zero tensors themselves.
+    if not ops._is_compiling() and weight._is_zerotensor():
+        weight = torch.zeros(weight.shape, dtype=wdtype, device=weight.device)
     if wdtype is torch.float32 and x.dtype is not torch.float64:  # the common case, in three reads
         return weight if weight.is_contiguous() else weight.contiguous()
     if wdtype not in ops.INPUT_DTYPES:
@@ -250,6 +258,10 @@ def fused_add_rms_norm_(
             "fused_add_rms_norm_ writes its inputs and has no gradient; use fused_add_rms_norm for "
             "training or call it under torch.no_grad()"
         )
+    for name, t in (("x", x), ("residual", residual)):
+        if t.is_neg():  # the dispatcher has no way to write a mutating op's result through it
+            raise ValueError(f"{name} is a lazily negated view (is_neg(), e.g. z.conj().imag) and cannot "
+                             f"be written in place; pass {name}.resolve_neg(), or use fused_add_rms_norm")
     if residual_dtype is not None:
         ops.check_options(eps, cast, residual_rounding, residual_dtype)
         if isinstance(residual, torch.Tensor) and residual.dtype != residual_dtype:

@@ -47,8 +47,9 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
+from dsnorm import ops
 from dsnorm.ops import PLAIN_TYPES as _PLAIN_TYPES
-from dsnorm.ops import dispatch_free, rows_viewable
+from dsnorm.ops import rows_viewable
 
 # Threads: numba's "threadsafe" layers (tbb when installed, else omp) may be entered from several
 # Python threads at once (its default workqueue layer may not); respect a layer the user chose.
@@ -1051,6 +1052,14 @@ _STRIDED = torch.strided
 _INF = float("inf")
 _CASTS_HF = {"deepseek": False, "hf": True}
 _ROUNDINGS_FIRST = {"fp32_sum": False, "round_first": True}
+_TENSOR, _PARAMETER = _PLAIN_TYPES
+# dispatch_free()'s probes, called inline here (a Python call is ~60 ns of a ~2.5 µs norm).
+_is_compiling = ops._is_compiling
+_functorch_level = ops._functorch_level
+_dispatch_modes = ops._dispatch_modes
+_function_modes = ops._function_modes
+_tracing_state = ops._tracing_state
+_profiler_enabled = ops._profiler_enabled
 PLAIN, FUSED, INPLACE = 0, 1, 2
 
 
@@ -1063,33 +1072,45 @@ def lane(form, x, residual, weight, eps, cast, residual_rounding, residual_dtype
     dtype (bf16/fp16/fp32), an fp32 weight, valid options; contiguous rows, or for PLAIN rows
     with one stride between them (the kv_norm slice). Calls below the serial size go straight to
     the decode kernel's entry point, the rest to ``forward``. Nothing is taken while autograd,
-    torch.compile, torch.jit tracing, functorch or a dispatch/function mode is in effect. The checks are written out in one
-    function: at ~40 ns per tensor attribute and ~0.1 µs per Python call, they are most of a
-    decode norm.
+    torch.compile, torch.jit tracing, functorch, a dispatch/function mode or the profiler is in
+    effect, nor for a tensor with the negative bit (a lazily negated view, ``x.conj().imag``:
+    the dispatcher resolves it, a raw pointer would not). The checks are written out in one
+    function, cheapest refusals and the reads every call needs first: at ~40-90 ns per tensor
+    attribute and ~60 ns per Python call, they are most of a decode norm.
     """
-    if type(x) not in _PLAIN_TYPES or type(weight) not in _PLAIN_TYPES or not (x.is_cpu and weight.is_cpu):
+    tx = type(x)
+    tw = type(weight)
+    if (tx is not _TENSOR and tx is not _PARAMETER) or (tw is not _TENSOR and tw is not _PARAMETER):
         return None
     grad = _is_grad_enabled()
     if grad and (x.requires_grad or weight.requires_grad):
         return None
-    if not dispatch_free():
+    if (_is_compiling() or _functorch_level() is not None or _dispatch_modes() or _function_modes()
+            or _tracing_state() or _profiler_enabled()):
         return None
     dtype = x.dtype
     code = _DECODE_CODES.get(dtype)
     if code is None or weight.dtype is not _F32 or type(eps) is not float or not 0.0 < eps < _INF:
         return None
-    if x.layout is not _STRIDED or not weight.is_contiguous():
-        return None
-    contiguous = x.is_contiguous()
-    if not contiguous and (form != PLAIN or not rows_viewable(x)):
-        return None
-    numel = x.numel()
-    n = weight.numel()
-    shape = x.shape
-    if numel == 0 or weight.ndim != 1 or not shape or shape[-1] != n:
-        return None
     cast_hf = _CASTS_HF.get(cast) if type(cast) is str else None
-    if cast_hf is None:
+    if cast_hf is None or not (x.is_cpu and weight.is_cpu) or x.layout is not _STRIDED:
+        return None
+    try:  # free unless it raises (a nested x has no shape): then the general path names the problem
+        if x.is_neg() or weight.is_neg() or not weight.is_contiguous() or weight.ndim != 1:
+            return None
+        shape = x.shape
+        n = weight.numel()
+        if not shape or shape[-1] != n:
+            return None
+        numel = x.numel()
+        contiguous = x.is_contiguous()
+        if numel == 0 or (not contiguous and (form != PLAIN or not rows_viewable(x))):
+            return None
+        x_addr = x.data_ptr()
+        w_addr = weight.data_ptr()  # raises for a weight of another layout
+    except RuntimeError:
+        return None
+    if not (x_addr and w_addr):  # a ZeroTensor (no memory; the dispatcher materialises it)
         return None
     small = numel < SERIAL_NUMEL
     # Outputs below the heap primer's size need none of empty_output's care.
@@ -1100,17 +1121,24 @@ def lane(form, x, residual, weight, eps, cast, residual_rounding, residual_dtype
         else:
             y = empty_output(x, dtype)
         (_decode_entry or _compile_decode() if small else _lane_parallel)(
-            numel // n, n, code, x.data_ptr(), n if contiguous else row_stride(x), 0, weight.data_ptr(),
-            y.data_ptr(), 0, eps, cast_hf, False,
+            numel // n, n, code, x_addr, n if contiguous else row_stride(x), 0, w_addr, y.data_ptr(), 0,
+            eps, cast_hf, False,
         )
         return y
     # The residual: x's dtype and shape, contiguous, on the CPU (an fp32 stream of a narrower x
     # and every refusal take the general path, which names the problem).
-    if type(residual) not in _PLAIN_TYPES or residual.dtype is not dtype:
-        return None
-    if not (residual.is_cpu and residual.is_contiguous()) or residual.shape != shape:
+    tr = type(residual)
+    if (tr is not _TENSOR and tr is not _PARAMETER) or residual.dtype is not dtype:
         return None
     if grad and residual.requires_grad:
+        return None
+    try:  # a residual of another layout raises in one of these (then the general path names it)
+        if residual.shape != shape or not residual.is_contiguous() or not residual.is_cpu or residual.is_neg():
+            return None
+        r_addr = residual.data_ptr()
+    except RuntimeError:
+        return None
+    if not r_addr:
         return None
     round_first = _ROUNDINGS_FIRST.get(residual_rounding) if type(residual_rounding) is str else None
     if round_first is None or (residual_dtype is not None and (dtype is not _F32 or residual_dtype is not _F32
@@ -1124,15 +1152,13 @@ def lane(form, x, residual, weight, eps, cast, residual_rounding, residual_dtype
         else:
             y = empty_output(x, dtype)
             residual_out = empty_output(x, dtype)
-        launch(numel // n, n, code, x.data_ptr(), n, residual.data_ptr(), weight.data_ptr(), y.data_ptr(),
-               residual_out.data_ptr(), eps, cast_hf, round_first)
+        launch(numel // n, n, code, x_addr, n, r_addr, w_addr, y.data_ptr(), residual_out.data_ptr(), eps,
+               cast_hf, round_first)
         return y, residual_out
-    x_addr = x.data_ptr()
-    r_addr = residual.data_ptr()
     nbytes = numel * (4 if code == F32 else 2)
     if not (x_addr + nbytes <= r_addr or r_addr + nbytes <= x_addr):
         return None
-    launch(numel // n, n, code, x_addr, n, r_addr, weight.data_ptr(), x_addr, r_addr, eps, cast_hf, round_first)
+    launch(numel // n, n, code, x_addr, n, r_addr, w_addr, x_addr, r_addr, eps, cast_hf, round_first)
     return x, residual
 
 

@@ -88,9 +88,18 @@ def check_options(eps, cast, residual_rounding="fp32_sum", residual_dtype=None) 
         _OPTIONS_OK.add(key)
 
 
+def check_dense(t: torch.Tensor, name: str) -> None:
+    # Sparse, mkldnn and nested tensors have no rows of unit stride to read (a nested tensor has
+    # no shape at all): refused by name rather than by whatever torch raises deeper down.
+    if t.is_nested or t.layout is not torch.strided:
+        kind = "a nested tensor" if t.is_nested else f"layout {t.layout}"
+        raise TypeError(f"{name} must be a dense (torch.strided) tensor, got {kind}")
+
+
 def check_input(x: torch.Tensor, name: str = "x") -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    check_dense(x, name)
     if x.dtype not in INPUT_DTYPES:
         raise TypeError(f"{name} must be float32, bfloat16, float16 or float64, got {x.dtype}")
     if x.dim() == 0:
@@ -102,6 +111,7 @@ def check_input(x: torch.Tensor, name: str = "x") -> None:
 def check_weight(weight: torch.Tensor, x: torch.Tensor) -> None:
     if not isinstance(weight, torch.Tensor):
         raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
+    check_dense(weight, "weight")
     if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
         raise ValueError(
             f"weight must have shape ({x.shape[-1]},) to match x's last dimension, got {tuple(weight.shape)}"
@@ -124,6 +134,7 @@ def check_residual(residual: torch.Tensor, x: torch.Tensor, residual_dtype, name
                    fp32_hint: bool = True) -> None:
     if not isinstance(residual, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(residual).__name__}")
+    check_dense(residual, name)
     if residual.shape != x.shape:
         raise ValueError(f"{name} must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")
     if residual.device != x.device:
@@ -205,12 +216,16 @@ def _load_launcher(device: torch.device):
 _COMPUTE_DTYPE = {d: compute_dtype(d) for d in INPUT_DTYPES}
 
 
+_STRIDED = torch.strided
+
+
 def _common_case(x, weight) -> bool:
     """A few attribute reads that prove what check_input and check_weight would check, for the
     common case; anything else goes through those checks (and their messages)."""
     return (
         isinstance(x, torch.Tensor)
         and isinstance(weight, torch.Tensor)
+        and x.layout is _STRIDED and weight.layout is _STRIDED and not x.is_nested
         and _COMPUTE_DTYPE.get(x.dtype) is weight.dtype
         and weight.dim() == 1
         and x.dim() >= 1
