@@ -145,3 +145,19 @@ def test_fusions_read_negated_and_zero_inputs():
     want = dsnorm.mla_latent_norms(-q, kv, wq, wkv)
     got = dsnorm.mla_latent_norms(_negated(q), kv, wq, wkv)
     assert bits_equal(got[0], want[0]) and bits_equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_backward_reads_a_negated_or_zero_output_gradient(fused):
+    x0, r0, w0 = _data((3, 64), 5, torch.float32), _data((3, 64), 6, torch.float32), _weight(64)
+    g = _data((3, 64), 7, torch.float32)
+
+    def grads(dy):
+        x, r, w = (t.clone().requires_grad_() for t in (x0, r0, w0))
+        y = dsnorm.fused_add_rms_norm(x, r, w)[0] if fused else dsnorm.rms_norm(x, w)
+        y.backward(dy)
+        return x.grad, w.grad
+
+    for dy, plain in ((_negated(g), -g), (torch._efficientzerotensor(3, 64), torch.zeros(3, 64))):
+        for got, want in zip(grads(dy), grads(plain)):
+            assert bits_equal(got, want)
