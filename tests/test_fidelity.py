@@ -238,3 +238,36 @@ def test_hf_cast_matches_transformers_bitwise():
         # ...and the default cast differs from Hugging Face's on the same data
         ours.cast = "deepseek"
         assert not torch.equal(ours(x), y_hf)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rows_from_dram_prefetching_path(dtype, threads):
+    # Large enough that each thread's share of x passes cpu._PREFETCH_MIN_BYTES: the store pass
+    # then prefetches the next row. Every form, a strided x and the fp32 residual stream.
+    from dsnorm import cpu
+
+    n = 7168
+    rows = -(-cpu._PREFETCH_MIN_BYTES * threads // (n * dtype.itemsize)) + 8
+    assert n >= cpu._PREFETCH_MIN_WIDTH
+    x, r, w = _data((rows, n), dtype, 5), _data((rows, n), dtype, 6), _weight(n)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert bits_equal(dsnorm.rms_norm(x, w), rms_norm_ref(x, w))
+        wide = _data((rows, n + 32), dtype, 7)
+        assert bits_equal(dsnorm.rms_norm(wide[:, :n], w), rms_norm_ref(wide[:, :n], w))
+        for cast, rounding in (("deepseek", "fp32_sum"), ("hf", "round_first")):
+            y, res = dsnorm.fused_add_rms_norm(x, r, w, cast=cast, residual_rounding=rounding)
+            y_ref, res_ref = fused_add_rms_norm_ref(x, r, w, cast=cast, residual_rounding=rounding)
+            assert bits_equal(y, y_ref) and bits_equal(res, res_ref)
+            xi, ri = x.clone(), r.clone()
+            with torch.no_grad():
+                dsnorm.fused_add_rms_norm_(xi, ri, w, cast=cast, residual_rounding=rounding)
+            assert bits_equal(xi, y_ref) and bits_equal(ri, res_ref)
+        r32 = r.float()
+        y, res = dsnorm.fused_add_rms_norm(x, r32, w, residual_dtype=torch.float32)
+        y_ref, res_ref = fused_add_rms_norm_ref(x, r32, w, residual_dtype=torch.float32)
+        assert bits_equal(y, y_ref) and bits_equal(res, res_ref)
+    finally:
+        torch.set_num_threads(before)
