@@ -271,3 +271,24 @@ def test_rows_from_dram_prefetching_path(dtype, threads):
         assert bits_equal(y, y_ref) and bits_equal(res, res_ref)
     finally:
         torch.set_num_threads(before)
+
+
+def test_large_outputs_start_on_a_huge_page():
+    # Outputs of 4 MiB or more begin on a 2 MiB boundary (so every page of them can be a huge
+    # page) and are otherwise ordinary fresh tensors: not views, contiguous, resizable.
+    from dsnorm import cpu
+
+    if cpu._madvise is None:
+        pytest.skip("no madvise (not Linux/glibc): outputs are plain allocations")
+    shape = (2, 1100, 1024)  # 4.3 MiB in bf16, not a whole number of huge pages
+    x, r, w = _data(shape, torch.bfloat16, 26), _data(shape, torch.bfloat16, 27), _weight(1024)
+    y_ref, res_ref = fused_add_rms_norm_ref(x, r, w)
+    outs = (*dsnorm.fused_add_rms_norm(x, r, w), dsnorm.rms_norm(x, w))
+    for out, ref in zip(outs, (y_ref, res_ref, rms_norm_ref(x, w))):
+        assert out.data_ptr() % cpu._HUGE_PAGE == 0
+        assert out.shape == shape and out.is_contiguous() and out._base is None and not out._is_view()
+        assert bits_equal(out, ref)
+    assert len({o.untyped_storage().data_ptr() for o in outs}) == 3
+    outs[0].resize_(3, 5)
+    small = dsnorm.rms_norm(x[:, :10], w)  # below 4 MiB: a plain allocation
+    assert small.storage_offset() == 0 and small.untyped_storage().nbytes() == small.nbytes

@@ -1066,21 +1066,29 @@ def _prime_heap(nbytes: int) -> None:
 
 
 def empty_output(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A fresh, contiguous, uninitialised CPU tensor of ``like``'s shape; large ones advised for
-    huge pages before their first touch."""
+    """A fresh, contiguous, uninitialised CPU tensor of ``like``'s shape; large ones start on a
+    huge-page boundary and are advised for huge pages before their first touch.
+
+    An output of 4 MiB or more is a view (storage offset < 2 MiB, no ``_base``) into a fresh
+    allocation rounded up to whole huge pages plus one: glibc maps such sizes without 2 MiB
+    alignment, so the unaligned head and tail of a plain allocation took 4 KiB pages, ~1000 faults
+    for the two [1, 4096, 7168] bf16 outputs, a quarter of the call (10.8-11.4 -> 7.6-8.4 ms). The
+    slack is address space only: it is never written, so it takes no memory.
+    """
     nbytes = like.numel() * dtype.itemsize
     if nbytes >= _PRIME_MIN_BYTES and _primed_bytes < min(_PRIME_OUTPUTS * nbytes, _PRIME_MAX_BYTES):
         _prime_heap(nbytes)
-    if like.is_contiguous():
-        out = torch.empty_like(like) if like.dtype is dtype else torch.empty_like(like, dtype=dtype)
-    else:
-        out = torch.empty(like.shape, dtype=dtype)
-    if _madvise is not None and nbytes >= _ADVISE_BYTES:
-        start = -(-out.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
-        end = (out.data_ptr() + nbytes) // _HUGE_PAGE * _HUGE_PAGE
-        if end > start:
-            _madvise(start, end - start, _MADV_HUGEPAGE)  # advice only: failure leaves 4 KiB pages
-    return out
+    if _madvise is None or nbytes < _ADVISE_BYTES:
+        if like.is_contiguous():
+            return torch.empty_like(like) if like.dtype is dtype else torch.empty_like(like, dtype=dtype)
+        return torch.empty(like.shape, dtype=dtype)
+    span = -(-nbytes // _HUGE_PAGE) * _HUGE_PAGE
+    raw = torch.empty(span + _HUGE_PAGE, dtype=torch.uint8)
+    base = raw.data_ptr()
+    start = -(-base // _HUGE_PAGE) * _HUGE_PAGE
+    _madvise(start, span, _MADV_HUGEPAGE)  # advice only: failure leaves 4 KiB pages
+    # 64-byte aligned base, so the offset is a whole number of elements.
+    return torch.empty(0, dtype=dtype).set_(raw.untyped_storage(), (start - base) // dtype.itemsize, like.shape)
 
 
 # ---------------------------------------------------------------------------------------------
