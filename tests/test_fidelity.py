@@ -292,3 +292,18 @@ def test_large_outputs_start_on_a_huge_page():
     outs[0].resize_(3, 5)
     small = dsnorm.rms_norm(x[:, :10], w)  # below 4 MiB: a plain allocation
     assert small.storage_offset() == 0 and small.untyped_storage().nbytes() == small.nbytes
+
+
+@pytest.mark.parametrize("width", [8192, 8193, 16383])
+def test_decode_scratch_on_stack_and_heap(width):
+    # One row below the serial size: the decode kernel keeps its scratch row on the stack up to
+    # cpu._STACK_SCRATCH floats and on the heap beyond; both sides of the boundary, bitwise.
+    from dsnorm import cpu
+
+    assert (width + cpu.ACC_SLOTS <= cpu._STACK_SCRATCH) == (width == 8192)
+    x, r, w = _data((1, width), torch.bfloat16, 28), _data((1, width), torch.bfloat16, 29), _weight(width)
+    with torch.no_grad():
+        assert bits_equal(dsnorm.rms_norm(x, w), rms_norm_ref(x, w))
+        y, res = dsnorm.fused_add_rms_norm(x, r, w)
+    y_ref, res_ref = fused_add_rms_norm_ref(x, r, w)
+    assert bits_equal(y, y_ref) and bits_equal(res, res_ref)

@@ -653,12 +653,33 @@ def _forward_serial64(
     )
 
 
+# Floats of decode scratch on the stack at most: 33 KiB, every DeepSeek width (7168) and far below
+# a thread's stack (8 MiB by default; Python refuses to make one below 32 KiB).
+_STACK_SCRATCH = 8192 + ACC_SLOTS
+
+
+@intrinsic
+def _stack_f32(typingctx, count):
+    """A pointer to ``count`` uninitialised float32s on the calling function's stack frame."""
+    def codegen(context, builder, signature, args):
+        return builder.alloca(ir.FloatType(), size=args[0])
+
+    return types.CPointer(types.float32)(types.intp), codegen
+
+
 @njit(cache=_CACHE)
 def _decode32(rows, n, code, x_addr, x_stride, res_addr, w_addr, y_addr, rout_addr, eps, cast_hf, round_first):
     # Rows of one dtype, all contiguous but x's: the serial kernel with a third of the arguments
-    # (each one costs the call ~25 ns to unbox, about a tenth of a [1, 1536] norm).
+    # (each one costs the call ~25 ns to unbox, about a tenth of a [1, 1536] norm). The scratch
+    # row of a decode-sized call is on the stack: a heap array cost [1, 1536] ~0.14 µs more (the
+    # allocation, its reference counts); wide rows (the one-thread lane) keep the heap.
+    width = n + ACC_SLOTS
+    if width <= _STACK_SCRATCH:
+        scratch = numba.carray(_stack_f32(width), width)
+    else:
+        scratch = np.empty(width, dtype=np.float32)
     _forward_rows(
-        0, rows, n, np.empty(n + ACC_SLOTS, dtype=np.float32),
+        0, rows, n, scratch,
         x_addr, x_stride, code, res_addr, n, code, w_addr, y_addr, n, rout_addr, n, code, 0,
         eps, cast_hf, round_first,
     )
