@@ -294,6 +294,41 @@ def test_large_outputs_start_on_a_huge_page():
     assert small.storage_offset() == 0 and small.untyped_storage().nbytes() == small.nbytes
 
 
+def test_large_output_slack_reads_as_zeros():
+    # The storage around an aligned output (copied whole by torch.save and pickle) holds zeros,
+    # never the bytes of memory the allocator recycled: fill and free blocks of the same size
+    # first, so that the output's allocation is likely to reuse them.
+    from dsnorm import cpu
+
+    if cpu._madvise is None:
+        pytest.skip("no madvise (not Linux/glibc): outputs are plain allocations")
+    shape = (2, 1100, 1024)
+    x, w = _data(shape, torch.bfloat16, 30), _weight(1024)
+    nbytes = x.numel() * 2
+    for _ in range(3):
+        junk = torch.full((nbytes + cpu._HUGE_PAGE,), 0x5A, dtype=torch.uint8)
+        del junk
+        y = dsnorm.rms_norm(x, w)
+        raw = torch.empty(0, dtype=torch.uint8).set_(y.untyped_storage())
+        offset = y.storage_offset() * 2
+        assert not raw[:offset].any() and not raw[offset + nbytes:].any()
+        assert bits_equal(y, rms_norm_ref(x, w))
+
+
+def test_deterministic_fill_mode_gets_plain_outputs():
+    # torch.use_deterministic_algorithms fills new memory; outputs then come from torch as usual.
+    shape = (2, 1100, 1024)
+    x, w = _data(shape, torch.bfloat16, 31), _weight(1024)
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        y = dsnorm.rms_norm(x, w)
+    finally:
+        torch.use_deterministic_algorithms(before)
+    assert y.storage_offset() == 0 and y.untyped_storage().nbytes() == y.nbytes
+    assert bits_equal(y, rms_norm_ref(x, w))
+
+
 @pytest.mark.parametrize("width", [8192, 8193, 16383])
 def test_decode_scratch_on_stack_and_heap(width):
     # One row below the serial size: the decode kernel keeps its scratch row on the stack up to

@@ -89,6 +89,32 @@ def test_zero_tensors_are_zeros(grad):
         y_ref, res_ref = fused_add_rms_norm_ref(zeros, x, torch.ones(1536))
         assert bits_equal(y, y_ref) and bits_equal(res, res_ref)
         assert bits_equal(dsnorm.rms_norm(x, torch._efficientzerotensor(1536)), rms_norm_ref(x, torch.zeros(1536)))
+        # A slice of one keeps the ZeroTensor key but gets a made-up nonzero address.
+        sliced = torch._efficientzerotensor(4, 1, 1536, dtype=torch.bfloat16)[1:]
+        assert sliced._is_zerotensor() and sliced.data_ptr() != 0
+        assert bits_equal(dsnorm.rms_norm(sliced, w), rms_norm_ref(zeros, w))
+        w_sliced = torch._efficientzerotensor(3072)[1536:]
+        assert bits_equal(dsnorm.rms_norm(x, w_sliced), rms_norm_ref(x, torch.zeros(1536)))
+        y, res = dsnorm.fused_add_rms_norm(x, sliced, w)
+        y_ref, res_ref = fused_add_rms_norm_ref(x, zeros, w)
+        assert bits_equal(y, y_ref) and bits_equal(res, res_ref)
+    if not grad:
+        xi = x.clone()
+        with pytest.raises(RuntimeError, match="ZeroTensors are immutable"):  # torch's own refusal
+            dsnorm.fused_add_rms_norm_(xi, sliced, w)
+        assert bits_equal(xi, x)
+
+
+def test_zero_tensor_weight_keeps_its_gradient():
+    x = _data((3, 64), 8, torch.float32).requires_grad_()
+    w = torch._efficientzerotensor(64, requires_grad=True)
+    y = dsnorm.rms_norm(x, w)
+    assert y.requires_grad
+    y.sum().backward()
+    x2 = x.detach().clone().requires_grad_()
+    w2 = torch.zeros(64, requires_grad=True)
+    rms_norm_ref(x2, w2).sum().backward()
+    assert bits_equal(w.grad, w2.grad) and bits_equal(x.grad, x2.grad)
 
 
 def _nested():

@@ -119,7 +119,7 @@ def _compute_weight(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     # A ZeroTensor has no memory (the dispatcher would hand the op an expanded zero); the probe is
     # eager-only: dynamo cannot trace it, and compiled graphs materialise zero tensors themselves.
     if not ops._is_compiling() and weight._is_zerotensor():
-        weight = torch.zeros(weight.shape, dtype=wdtype, device=weight.device)
+        weight = weight.clone()  # materialised zeros, still differentiable
     if wdtype is torch.float32 and x.dtype is not torch.float64:  # the common case, in three reads
         return weight if weight.is_contiguous() else weight.contiguous()
     if wdtype not in ops.INPUT_DTYPES:

@@ -1044,20 +1044,34 @@ _ADVISE_BYTES = 4 << 20
 _MADV_HUGEPAGE = 14
 
 
-def _make_madvise():
+def _make_libc():
     try:
         import ctypes
 
         libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.madvise
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        fn.restype = ctypes.c_int
-        return fn
+        madvise = libc.madvise
+        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        madvise.restype = ctypes.c_int
+        return madvise, ctypes.memset
     except (OSError, AttributeError):  # not Linux/glibc: plain pages
-        return None
+        return None, None
 
 
-_madvise = _make_madvise()
+_madvise, _memset = _make_libc()
+_MADV_DONTNEED = 4
+_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def _clear(lo: int, hi: int) -> None:
+    """Bytes [lo, hi) read as zeros from now on: whole pages dropped (MADV_DONTNEED: they take no
+    memory until written), the partial pages at the ends zeroed."""
+    inner_lo = -(-lo // _PAGE_BYTES) * _PAGE_BYTES
+    inner_hi = hi // _PAGE_BYTES * _PAGE_BYTES
+    if inner_lo >= inner_hi or _madvise(inner_lo, inner_hi - inner_lo, _MADV_DONTNEED) != 0:
+        _memset(lo, 0, hi - lo)
+        return
+    _memset(lo, 0, inner_lo - lo)
+    _memset(inner_hi, 0, hi - inner_hi)
 
 
 # Mid-sized outputs (64 KiB to 32 MiB) come from glibc's heap, not from mmap, once glibc has seen
@@ -1090,26 +1104,36 @@ def empty_output(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A fresh, contiguous, uninitialised CPU tensor of ``like``'s shape; large ones start on a
     huge-page boundary and are advised for huge pages before their first touch.
 
-    An output of 4 MiB or more is a view (storage offset < 2 MiB, no ``_base``) into a fresh
-    allocation rounded up to whole huge pages plus one: glibc maps such sizes without 2 MiB
-    alignment, so the unaligned head and tail of a plain allocation took 4 KiB pages, ~1000 faults
-    for the two [1, 4096, 7168] bf16 outputs, a quarter of the call (10.8-11.4 -> 7.6-8.4 ms). The
-    slack is address space only: it is never written, so it takes no memory.
+    glibc maps large allocations without 2 MiB alignment, so the unaligned head and tail of an
+    advised plain allocation took 4 KiB pages: ~1000 faults for the two [1, 4096, 7168] bf16
+    outputs, a quarter of the call (10.8-11.4 -> 7.6-8.4 ms). An output of 4 MiB or more is
+    therefore an ordinary tensor (not a view) at a storage offset below 2 MiB in an allocation 2
+    MiB larger than the data. Only the whole huge pages of the data are advised (a partly used
+    one would hold up to 2 MiB more than the data), and the 2 MiB of slack is cleared without
+    being written: it takes no memory, and code that copies the whole storage (torch.save,
+    pickle) sees zeros there, never another tensor's freed data that the allocator handed back.
     """
     nbytes = like.numel() * dtype.itemsize
     if nbytes >= _PRIME_MIN_BYTES and _primed_bytes < min(_PRIME_OUTPUTS * nbytes, _PRIME_MAX_BYTES):
         _prime_heap(nbytes)
-    if _madvise is None or nbytes < _ADVISE_BYTES:
+    if _madvise is None or nbytes < _ADVISE_BYTES or _fills_new_memory():
         if like.is_contiguous():
             return torch.empty_like(like) if like.dtype is dtype else torch.empty_like(like, dtype=dtype)
         return torch.empty(like.shape, dtype=dtype)
-    span = -(-nbytes // _HUGE_PAGE) * _HUGE_PAGE
-    raw = torch.empty(span + _HUGE_PAGE, dtype=torch.uint8)
+    raw = torch.empty(nbytes + _HUGE_PAGE, dtype=torch.uint8)
     base = raw.data_ptr()
     start = -(-base // _HUGE_PAGE) * _HUGE_PAGE
-    _madvise(start, span, _MADV_HUGEPAGE)  # advice only: failure leaves 4 KiB pages
+    _madvise(start, nbytes // _HUGE_PAGE * _HUGE_PAGE, _MADV_HUGEPAGE)  # advice only: may be refused
+    _clear(base, start)
+    _clear(start + nbytes, base + nbytes + _HUGE_PAGE)
     # 64-byte aligned base, so the offset is a whole number of elements.
     return torch.empty(0, dtype=dtype).set_(raw.untyped_storage(), (start - base) // dtype.itemsize, like.shape)
+
+
+def _fills_new_memory() -> bool:
+    # torch.use_deterministic_algorithms(True) fills every new tensor (NaN): it would write the
+    # slack too, before the advice. Then a plain allocation, as torch makes it.
+    return torch.are_deterministic_algorithms_enabled() and torch.utils.deterministic.fill_uninitialized_memory
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1167,8 +1191,9 @@ def lane(form, x, residual, weight, eps, cast, residual_rounding, residual_dtype
     with one stride between them (the kv_norm slice). Calls below the serial size go straight to
     the decode kernel's entry point, the rest to ``forward``. Nothing is taken while autograd,
     torch.compile, torch.jit tracing, functorch, a dispatch/function mode or the profiler is in
-    effect, nor for a tensor with the negative bit (a lazily negated view, ``x.conj().imag``:
-    the dispatcher resolves it, a raw pointer would not). The checks are written out in one
+    effect, nor for a tensor with the negative bit (a lazily negated view, ``x.conj().imag``) or a
+    ZeroTensor (no memory; a slice of one has a made-up nonzero address): the dispatcher resolves
+    them, a raw pointer would not. The checks are written out in one
     function, cheapest refusals and the reads every call needs first: at ~40-90 ns per tensor
     attribute and ~60 ns per Python call, they are most of a decode norm.
     """
@@ -1190,7 +1215,9 @@ def lane(form, x, residual, weight, eps, cast, residual_rounding, residual_dtype
     if cast_hf is None or not (x.is_cpu and weight.is_cpu) or x.layout is not _STRIDED:
         return None
     try:  # free unless it raises (a nested x has no shape): then the general path names the problem
-        if x.is_neg() or weight.is_neg() or not weight.is_contiguous() or weight.ndim != 1:
+        if x.is_neg() or weight.is_neg() or x._is_zerotensor() or weight._is_zerotensor():
+            return None
+        if not weight.is_contiguous() or weight.ndim != 1:
             return None
         shape = x.shape
         n = weight.numel()
@@ -1203,8 +1230,6 @@ def lane(form, x, residual, weight, eps, cast, residual_rounding, residual_dtype
         x_addr = x.data_ptr()
         w_addr = weight.data_ptr()  # raises for a weight of another layout
     except RuntimeError:
-        return None
-    if not (x_addr and w_addr):  # a ZeroTensor (no memory; the dispatcher materialises it)
         return None
     small = numel < SERIAL_NUMEL
     # Outputs below the heap primer's size need none of empty_output's care.
@@ -1227,12 +1252,12 @@ def lane(form, x, residual, weight, eps, cast, residual_rounding, residual_dtype
     if grad and residual.requires_grad:
         return None
     try:  # a residual of another layout raises in one of these (then the general path names it)
-        if residual.shape != shape or not residual.is_contiguous() or not residual.is_cpu or residual.is_neg():
+        if residual.shape != shape or not residual.is_contiguous() or not residual.is_cpu:
+            return None
+        if residual.is_neg() or residual._is_zerotensor():
             return None
         r_addr = residual.data_ptr()
     except RuntimeError:
-        return None
-    if not r_addr:
         return None
     round_first = _ROUNDINGS_FIRST.get(residual_rounding) if type(residual_rounding) is str else None
     if round_first is None or (residual_dtype is not None and (dtype is not _F32 or residual_dtype is not _F32
