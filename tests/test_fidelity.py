@@ -5,6 +5,10 @@ torch's CPU reduction order is the one dsnorm replays (x86, widths <= 16384), el
 (bf16/fp16) or 4e-6 relative (fp32).
 """
 
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
@@ -329,16 +333,39 @@ def test_deterministic_fill_mode_gets_plain_outputs():
     assert bits_equal(y, rms_norm_ref(x, w))
 
 
-@pytest.mark.parametrize("width", [8192, 8193, 16383])
+@pytest.mark.parametrize("width", [2048, 2049, 16383])
 def test_decode_scratch_on_stack_and_heap(width):
     # One row below the serial size: the decode kernel keeps its scratch row on the stack up to
     # cpu._STACK_SCRATCH floats and on the heap beyond; both sides of the boundary, bitwise.
     from dsnorm import cpu
 
-    assert (width + cpu.ACC_SLOTS <= cpu._STACK_SCRATCH) == (width == 8192)
+    assert (width + cpu.ACC_SLOTS <= cpu._STACK_SCRATCH) == (width == 2048)
     x, r, w = _data((1, width), torch.bfloat16, 28), _data((1, width), torch.bfloat16, 29), _weight(width)
     with torch.no_grad():
         assert bits_equal(dsnorm.rms_norm(x, w), rms_norm_ref(x, w))
         y, res = dsnorm.fused_add_rms_norm(x, r, w)
     y_ref, res_ref = fused_add_rms_norm_ref(x, r, w)
     assert bits_equal(y, y_ref) and bits_equal(res, res_ref)
+
+
+@pytest.mark.parametrize("width", [1536, 2048, 7168, 8192])
+def test_decode_in_a_thread_with_the_smallest_stack(width):
+    # threading.stack_size's minimum (32 KiB): the decode kernel's stack scratch must fit in it.
+    script = textwrap.dedent(f"""
+        import threading, torch, dsnorm
+        from dsnorm.ref import rms_norm_ref
+        x, w = torch.randn(1, {width}, dtype=torch.bfloat16), torch.rand({width})
+        with torch.no_grad():
+            dsnorm.rms_norm(x, w)  # compile in the main thread
+        threading.stack_size(32 * 1024)
+        out = []
+        def run():
+            with torch.no_grad():
+                out.append(torch.equal(dsnorm.rms_norm(x, w), rms_norm_ref(x, w)))
+        t = threading.Thread(target=run)
+        t.start()
+        t.join()
+        assert out == [True], out
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])

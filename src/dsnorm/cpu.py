@@ -653,9 +653,10 @@ def _forward_serial64(
     )
 
 
-# Floats of decode scratch on the stack at most: 33 KiB, every DeepSeek width (7168) and far below
-# a thread's stack (8 MiB by default; Python refuses to make one below 32 KiB).
-_STACK_SCRATCH = 8192 + ACC_SLOTS
+# Floats of decode scratch on the stack at most: 8.7 KiB, the latent norms' widths (1536, 512). A
+# thread's stack may be as small as 32 KiB (threading.stack_size's minimum): 33 KiB of scratch
+# (every width to 8192) crashed such a thread at 7168, and 17 KiB (4096) left it little room.
+_STACK_SCRATCH = 2048 + ACC_SLOTS
 
 
 @intrinsic
@@ -671,8 +672,8 @@ def _stack_f32(typingctx, count):
 def _decode32(rows, n, code, x_addr, x_stride, res_addr, w_addr, y_addr, rout_addr, eps, cast_hf, round_first):
     # Rows of one dtype, all contiguous but x's: the serial kernel with a third of the arguments
     # (each one costs the call ~25 ns to unbox, about a tenth of a [1, 1536] norm). The scratch
-    # row of a decode-sized call is on the stack: a heap array cost [1, 1536] ~0.14 µs more (the
-    # allocation, its reference counts); wide rows (the one-thread lane) keep the heap.
+    # row of a narrow call is on the stack: a heap array cost [1, 1536] ~0.14 µs more (the
+    # allocation, its reference counts); wider rows keep the heap.
     width = n + ACC_SLOTS
     if width <= _STACK_SCRATCH:
         scratch = numba.carray(_stack_f32(width), width)
