@@ -47,9 +47,8 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from dsnorm import ops
 from dsnorm.ops import PLAIN_TYPES as _PLAIN_TYPES
-from dsnorm.ops import rows_viewable
+from dsnorm.ops import dispatch_free, rows_viewable
 
 # Threads: numba's "threadsafe" layers (tbb when installed, else omp) may be entered from several
 # Python threads at once (its default workqueue layer may not); respect a layer the user chose.
@@ -313,9 +312,9 @@ def _store_scaled_row(addr, offset, code, buf, w_addr, rstd, n, cast_hf):
 
 # Software prefetch of the next row, interleaved with the store pass (see _forward_rows): every
 # _PREFETCH_BYTES of output stored, the matching 64-byte lines of the next row's inputs are
-# requested. Measured at [4096, 7168] bf16 in place on 2 threads: 4.7-4.8 ms without, 3.5 ms with
-# 256-byte chunks (128: 3.7, 512 at two rows ahead: 3.7; one burst per row, or 1 KiB chunks,
-# made it slower than none: 5.7-5.9 ms). It pays only for rows that come from DRAM: rows of at
+# requested. Measured at [4096, 7168] bf16 in place on 2 threads: 4.6-4.9 ms without, 3.5 ms with
+# 256-byte chunks (128: 3.7, 512 at two rows ahead: 3.7; 1-2 KiB chunks made it slower than none:
+# 5.7-5.9 ms). It pays only for rows that come from DRAM: rows of at
 # least _PREFETCH_MIN_WIDTH elements (at 512 it cost 3-5%) and a thread's share of x of at least
 # _PREFETCH_MIN_BYTES (at [256, 7168], in L3, it cost ~10%).
 _PREFETCH_BYTES = 256
@@ -362,15 +361,16 @@ def _ceil_log2(x):
 
 
 @intrinsic
-def _chains32(typingctx, buf, offset, count, out):
+def _chain32(typingctx, buf, offset, count, out):
     """out[t] = sum over g < count of buf[offset + 32 g + t]^2 for t < 32 (buf, out: contiguous
     1-D arrays of one float dtype): thirty-two sequential chains starting from zero, held in four
-    explicit 8-lane vectors.
+    explicit 8-lane vectors: the accumulators of one level-0 step.
 
     Each lane is the scalar chain ``acc += v * v`` (a rounded square, then a rounded add; no FMA:
     no fast-math flag lets LLVM contract them), so the bits are those of 32 scalar accumulators.
     The vectors are written out because LLVM's SLP vectoriser stopped forming them from 32
-    scalars (numba 0.68): the scalar form took 1.5 µs per 7168-element row, ~4x the loads.
+    scalars (numba 0.68): in a standalone loop the scalar form took 1.5 µs per 7168-element
+    row, ~4x its loads, and this one 0.13 µs.
     """
     if not (isinstance(buf, types.Array) and isinstance(out, types.Array) and buf.dtype == out.dtype
             and buf.dtype in (types.float32, types.float64) and buf.ndim == 1 and out.ndim == 1
@@ -429,12 +429,6 @@ def _add32(typingctx, acc, dst, src):
         return context.get_dummy_value()
 
     return sig, codegen
-
-
-@njit(inline="always")
-def _chain32(buf, offset, count, out):
-    """out[0:32]: the four 8-lane vector accumulators of one level-0 step (see _chains32)."""
-    _chains32(buf, offset, count, out)
 
 
 @njit(inline="always")
@@ -583,6 +577,7 @@ def _forward_rows(
     res_size = _code_size(res_code)
     w_size = scratch.itemsize  # the weight is in the compute dtype
     prefetch = n >= _PREFETCH_MIN_WIDTH and (r1 - r0) * n * x_size >= _PREFETCH_MIN_BYTES
+    chunk = _PREFETCH_BYTES // x_size  # elements stored between two rounds of prefetches
     for row in range(r0, r1):
         # Load a level step's elements, then sum them while they are still in L1: one pass over
         # the row instead of a load pass and a sum pass (the order of the sum is unchanged).
@@ -610,7 +605,6 @@ def _forward_rows(
             # it by chance.
             next_x = x_addr + (row + 1) * x_stride * x_size
             next_res = res_addr + (row + 1) * res_stride * res_size
-            chunk = _PREFETCH_BYTES // x_size
             lo = 0
             while lo < n:
                 hi = min(lo + chunk, n)
@@ -1172,13 +1166,6 @@ _INF = float("inf")
 _CASTS_HF = {"deepseek": False, "hf": True}
 _ROUNDINGS_FIRST = {"fp32_sum": False, "round_first": True}
 _TENSOR, _PARAMETER = _PLAIN_TYPES
-# dispatch_free()'s probes, called inline here (a Python call is ~60 ns of a ~2.5 µs norm).
-_is_compiling = ops._is_compiling
-_functorch_level = ops._functorch_level
-_dispatch_modes = ops._dispatch_modes
-_function_modes = ops._function_modes
-_tracing_state = ops._tracing_state
-_profiler_enabled = ops._profiler_enabled
 PLAIN, FUSED, INPLACE = 0, 1, 2
 
 
@@ -1205,8 +1192,7 @@ def lane(form, x, residual, weight, eps, cast, residual_rounding, residual_dtype
     grad = _is_grad_enabled()
     if grad and (x.requires_grad or weight.requires_grad):
         return None
-    if (_is_compiling() or _functorch_level() is not None or _dispatch_modes() or _function_modes()
-            or _tracing_state() or _profiler_enabled()):
+    if not dispatch_free():
         return None
     dtype = x.dtype
     code = _DECODE_CODES.get(dtype)
@@ -1233,8 +1219,9 @@ def lane(form, x, residual, weight, eps, cast, residual_rounding, residual_dtype
     except RuntimeError:
         return None
     small = numel < SERIAL_NUMEL
+    nbytes = numel * (4 if code == F32 else 2)
     # Outputs below the heap primer's size need none of empty_output's care.
-    plain_alloc = numel * (4 if code == F32 else 2) < _PRIME_MIN_BYTES
+    plain_alloc = nbytes < _PRIME_MIN_BYTES
     if form == PLAIN:
         if plain_alloc:
             y = torch.empty_like(x) if contiguous else torch.empty(shape, dtype=dtype)
@@ -1275,7 +1262,6 @@ def lane(form, x, residual, weight, eps, cast, residual_rounding, residual_dtype
         launch(numel // n, n, code, x_addr, n, r_addr, w_addr, y.data_ptr(), residual_out.data_ptr(), eps,
                cast_hf, round_first)
         return y, residual_out
-    nbytes = numel * (4 if code == F32 else 2)
     if not (x_addr + nbytes <= r_addr or r_addr + nbytes <= x_addr):
         return None
     launch(numel // n, n, code, x_addr, n, r_addr, w_addr, x_addr, r_addr, eps, cast_hf, round_first)
