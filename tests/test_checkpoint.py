@@ -252,6 +252,23 @@ def test_expectation_sources(tmp_path, capsys):
     assert data["config"]["dim"] == 7168 and data["totals"]["rmsnorm_instances_expected"] == 245
 
 
+def test_a_named_config_wins_over_the_one_beside_the_checkpoint(tmp_path, capsys):
+    # save_pretrained keeps num_nextn_predict_layers but writes no MTP weights: the caller corrects the
+    # expectation with a config of their own, which must win; a path that does not load is an error.
+    hf_checkpoint(tmp_path, names=HF_MAIN + [k for k in HF_K_NORM if ".layers.3." not in k])
+    assert ("missing", "model.layers.3.enorm.weight") in kinds(count_norms(tmp_path))
+    fixed = tmp_path.parent / "no_mtp.json"
+    fixed.write_text(json.dumps({**HF_CFG, "num_nextn_predict_layers": 0}))
+    rep = count_norms(tmp_path, str(fixed))
+    assert rep.ok and rep.config_source == str(fixed) and "not the config.json beside" in rep.notes[0]
+    assert cli.main(["count", str(tmp_path), "--config", str(fixed)]) == 0
+    capsys.readouterr()
+    with pytest.raises(ValueError, match="nonexistent"):
+        count_norms(tmp_path, str(tmp_path / "nonexistent.json"))
+    assert cli.main(["count", str(tmp_path), "--config", str(tmp_path / "nonexistent.json")]) == 2
+    assert "nonexistent.json" in capsys.readouterr().err
+
+
 def _write_raw(path, header_bytes, data=b"", length=None):
     n = len(header_bytes) if length is None else length
     path.write_bytes(struct.pack("<Q", n) + header_bytes + data)
@@ -399,6 +416,32 @@ def test_load_norms_fp16_and_fp32(tmp_path):
         model = _RefModel()
         load_norms(model, tmp_path / str(dtype))
         assert torch.equal(model.layers[2].ffn_norm.weight, t["model.layers.2.post_attention_layernorm.weight"].float())
+
+
+def test_load_norms_f64_loads_only_exact_float32_values(tmp_path):
+    # count accepts an F64 gain; load_norms loads it when every value is a float32, else names it.
+    t = hf_checkpoint(tmp_path / "exact", dtype=torch.float64)  # bf16 values widened: exact in fp32
+    model = _RefModel()
+    load_norms(model, tmp_path / "exact")
+    assert torch.equal(model.norm.weight, t["model.norm.weight"].float())
+    t["model.norm.weight"] = t["model.norm.weight"] + 1e-12
+    save_file(t, str(tmp_path / "exact" / "model.safetensors"))
+    before = _norm_weights(model)
+    with pytest.raises(ValueError, match=r"norm: model\.norm\.weight \(F64\) is not exactly representable"):
+        load_norms(model, tmp_path / "exact")
+    assert all(torch.equal(before[k], v) for k, v in _norm_weights(model).items())
+
+
+def test_load_norms_refuses_meta_parameters(tmp_path):
+    # A copy into a meta parameter keeps nothing: loading before materialising would report
+    # success and lose every value.
+    hf_checkpoint(tmp_path)
+    with torch.device("meta"):
+        model = _RefModel()
+    with pytest.raises(ValueError, match=r"(?s)nothing loaded; 13 problem.*norm: weight is on the meta device.*to_empty"):
+        load_norms(model, tmp_path)
+    model = model.to_empty(device="cpu")
+    assert len(load_norms(model, tmp_path).loaded) == 13
 
 
 def test_load_norms_all_or_nothing(tmp_path):

@@ -162,7 +162,7 @@ def test_left_alone_with_reasons():
         "gemma": GemmaRMSNorm(32),
         "no_weight": nn.RMSNorm(32, elementwise_affine=False),
         "two_d": nn.RMSNorm((4, 8)),
-        "offset": OffsetRMSNorm(32),
+        "offset": OffsetRMSNorm(32).to(torch.bfloat16),
         "unknown": MyRMSNorm(32),
         "done": dsnorm.RMSNorm(32),
         "linear": nn.Linear(4, 4),
@@ -179,6 +179,45 @@ def test_left_alone_with_reasons():
     assert "unrecognised" in why["unknown"]
     assert "already" in why["done"]
     assert all(model[k] is v for k, v in before.items())
+
+
+def test_left_alone_where_a_replacement_would_change_behaviour():
+    # Each of these looks like a norm dsnorm reproduces, but replacing it would silently change what
+    # the model computes: a gate argument would become dsnorm's residual; an fp32-weight HF norm
+    # returns fp32 for bf16 inputs (autocast); hooks, an instance-level forward wrapper and a
+    # parametrised weight would be dropped.
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    class GatedRMSNorm(LlamaRMSNorm):
+        def forward(self, hidden_states, gate=None):
+            y = super().forward(hidden_states)
+            return y if gate is None else y * gate
+
+    def bf16_norm():
+        return LlamaRMSNorm(32).to(torch.bfloat16)
+
+    seen = []
+    hooked = bf16_norm()
+    hooked.register_forward_hook(lambda m, i, o: seen.append(o))
+    wrapped = bf16_norm()
+    plain_forward = wrapped.forward
+    wrapped.forward = lambda *a, **k: plain_forward(*a, **k)
+    param = bf16_norm()
+    torch.nn.utils.parametrize.register_parametrization(param, "weight", nn.Identity())
+    model = nn.ModuleDict({"gated": GatedRMSNorm(32).to(torch.bfloat16), "fp32_weight": LlamaRMSNorm(32),
+                           "hooked": hooked, "wrapped": wrapped, "param": param, "fine": bf16_norm()})
+    before = dict(model.items())
+    rep = patch(model)
+    assert [e.name for e in rep.replaced] == ["fine"]
+    why = {e.name: e.reason for e in rep.left}
+    assert "forward takes hidden_states, gate" in why["gated"]
+    assert "fp32 weight" in why["fp32_weight"]
+    assert "_forward_hooks" in why["hooked"]
+    assert "replaced on the instance" in why["wrapped"]
+    assert "parametrised" in why["param"]
+    assert all(model[k] is v for k, v in before.items() if k != "fine")
+    model["hooked"](torch.ones(2, 32, dtype=torch.bfloat16))
+    assert len(seen) == 1
 
 
 def test_hf_llama_norm_and_shared_modules():

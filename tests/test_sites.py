@@ -104,13 +104,22 @@ def test_hf_config_fields_change_the_sites():
     assert next(s for s in sites if s.key == "kv_norm").eps == 1e-6  # HF's latent norms use the default eps
 
 
+def test_more_dense_layers_than_layers_makes_every_block_dense():
+    # A truncated copy of the 671B config (n_layers 2, n_dense_layers left at 3) is a usual smoke test;
+    # the reference (layer_id < n_dense_layers) and transformers build every block dense.
+    raw = json.loads(open(default_config_path()).read())
+    for cfg in (config_from_dict({**raw, "n_layers": 2}, "ref"),
+                config_from_dict({**HF_671B, "num_hidden_layers": 2}, "hf")):
+        t = totals(cfg, enumerate_sites(cfg))
+        assert (t["dense_blocks"], t["moe_blocks"]) == (2, 0)
+
+
 @pytest.mark.parametrize("bad, msg", [
     ({"vocab_size": 10}, "neither reference"),
     ({"dim": 64, "hidden_size": 64}, "mixes"),
     ({"dim": 64}, "'n_layers' is missing"),
     ({"dim": "64", "n_layers": 2}, "must be an integer"),
     ({"dim": 64, "n_layers": True}, "must be an integer"),
-    ({"dim": 64, "n_layers": 2, "n_dense_layers": 3}, "more than the 2 layers"),
     ({"dim": 0, "n_layers": 2}, "outside"),
     ({"hidden_size": 64, "num_hidden_layers": 2, "kv_lora_rank": 8, "rms_norm_eps": "x"}, "rms_norm_eps"),
     ({"dim": 64, "n_layers": 10**9}, "outside"),

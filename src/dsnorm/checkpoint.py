@@ -49,9 +49,10 @@ DTYPE_BITS = {
     "I64": 64, "U64": 64, "F64": 64, "C64": 64,
     "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6,
 }
-# Norm gains are stored as floats; these are the ones that convert exactly to a float32 parameter.
-LOADABLE_DTYPES = ("BF16", "F16", "F32")
+# Norm gains are stored as floats, and load_norms reads each of them: 16-bit and F32 values widen
+# exactly to a float32 parameter, F64 ones load when every value is exactly a float32.
 FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")
+LOADABLE_DTYPES = FLOAT_DTYPES
 MP_SHARD = re.compile(r"^model(\d+)-mp(\d+)\.safetensors$")
 
 
@@ -377,17 +378,18 @@ class CountReport:
 
 
 def _config_for(files: CheckpointFiles, config: Union[None, str, os.PathLike, ModelConfig]) -> tuple:
+    # A config the caller names wins (it may correct the one saved beside the checkpoint, e.g. a
+    # save_pretrained directory whose config states MTP layers its weights do not hold); a path
+    # that does not load is an error, never skipped.
     beside = os.path.join(files.root, "config.json")
     notes = []
-    if os.path.isfile(beside):
-        if config is not None:
-            notes.append(f"config.json beside the checkpoint takes precedence over {getattr(config, 'source', config)}")
-        return load_config(beside), beside, notes
-    if isinstance(config, ModelConfig):
-        return config, config.source, notes
     if config is not None:
-        cfg = load_config(config)
+        cfg = config if isinstance(config, ModelConfig) else load_config(config)
+        if os.path.isfile(beside):
+            notes.append(f"expectation from {cfg.source}, not the config.json beside the checkpoint")
         return cfg, cfg.source, notes
+    if os.path.isfile(beside):
+        return load_config(beside), beside, notes
     cfg = load_config(None)
     return cfg, cfg.source, notes
 
@@ -397,8 +399,8 @@ def count_norms(path: Union[str, os.PathLike], config: Union[None, str, os.PathL
 
     Args:
         path: a ``.safetensors`` file, a directory of shards, or a ``*.safetensors.index.json``.
-        config: the expectation when no ``config.json`` sits beside the checkpoint: a config file
-            path or :class:`~dsnorm.sites.ModelConfig`; ``None`` uses the built-in 671B config.
+        config: the expectation: a config file path or :class:`~dsnorm.sites.ModelConfig`; ``None``
+            uses the ``config.json`` beside the checkpoint, else the built-in 671B config.
 
     Returns:
         :class:`CountReport`; ``report.ok`` is True only when every expected norm tensor is present
@@ -643,7 +645,7 @@ def tensor_name(base_key: str, layer: Optional[int], naming: str, param: str = "
 def _read_tensor(info: TensorInfo):
     import torch
 
-    dtypes = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+    dtypes = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
     try:
         with open(info.file, "rb") as f:
             f.seek(info.begin)
@@ -655,8 +657,7 @@ def _read_tensor(info: TensorInfo):
     t = torch.frombuffer(bytearray(raw), dtype=dtypes[info.dtype]) if raw else torch.empty(0, dtype=dtypes[info.dtype])
     if sys.byteorder != "little":
         t = t.view(torch.uint8).view(-1, t.element_size()).flip(-1).reshape(-1).view(dtypes[info.dtype])
-    # Widening bf16/fp16 to fp32 is exact.
-    return t.reshape(info.shape).to(torch.float32)
+    return t.reshape(info.shape)  # the stored dtype: the caller checks that its cast is exact
 
 
 def load_norms(model, path: Union[str, os.PathLike]) -> LoadReport:
@@ -665,9 +666,10 @@ def load_norms(model, path: Union[str, os.PathLike]) -> LoadReport:
     Each ``dsnorm.RMSNorm`` module is matched to its checkpoint tensor by its path, in the reference
     naming (``layers.{i}.attn.q_norm``) or the Hugging Face naming
     (``model.layers.{i}.self_attn.q_a_layernorm``), whichever the checkpoint uses; the stored BF16/F16/F32
-    values become exact float32 parameters (``weight[d]``, float32 in dsnorm). Only the norm tensors'
-    bytes are read. All modules are checked and all values read before any parameter changes: on
-    error nothing is modified.
+    values become exact float32 parameters (``weight[d]``, float32 in dsnorm), F64 ones too when each
+    is exactly a float32. Only the norm tensors' bytes are read. All modules are checked and all
+    values read before any parameter changes: on error nothing is modified. Parameters on the meta
+    device are refused (a copy into them keeps nothing): materialise the model first.
 
     Args:
         model: an ``nn.Module`` holding ``dsnorm.RMSNorm`` modules (e.g. after :func:`dsnorm.patch`).
@@ -718,12 +720,16 @@ def load_norms(model, path: Union[str, os.PathLike]) -> LoadReport:
         if info is None:
             problems.append(f"{mname}: missing (looked for {' or '.join(dict.fromkeys(cands))})")
             continue
+        if mod.weight.is_meta:
+            problems.append(f"{mname}: weight is on the meta device, where a copy keeps no values; "
+                            f"materialise the model first (e.g. model.to_empty(device='cpu'))")
+            continue
         want = tuple(mod.weight.shape)
         if info.shape != want:
             problems.append(f"{mname}: {info.name} has shape {list(info.shape)}, the module needs {list(want)}")
             continue
         if info.dtype not in LOADABLE_DTYPES:
-            problems.append(f"{mname}: {info.name} is {info.dtype}; only {', '.join(LOADABLE_DTYPES)} convert exactly")
+            problems.append(f"{mname}: {info.name} is {info.dtype}; only {', '.join(LOADABLE_DTYPES)} gains load")
             continue
         plan.append((mname, mod, info))
     if problems:
@@ -734,11 +740,12 @@ def load_norms(model, path: Union[str, os.PathLike]) -> LoadReport:
         v = _read_tensor(info)
         p = mod.weight
         cast = v.to(dtype=p.dtype, device=p.device)
-        if p.dtype != torch.float32:
-            # A parameter cast down (model.to(bfloat16)) must still hold the stored value exactly.
-            back = cast.to(device="cpu", dtype=torch.float32)
-            if not bool(((back == v) | (back.isnan() & v.isnan())).all()):
-                problems.append(f"{mname}: {info.name} is not exactly representable in the parameter's {p.dtype}")
+        # The parameter must hold the stored value exactly: an F64 gain, or a parameter cast down
+        # (model.to(bfloat16)), may not.
+        back = cast.to(device="cpu", dtype=v.dtype)
+        if not bool(((back == v) | (back.isnan() & v.isnan())).all()):
+            problems.append(f"{mname}: {info.name} ({info.dtype}) is not exactly representable in the "
+                            f"parameter's {p.dtype}")
         values.append(cast)
     if problems:
         raise ValueError(f"load_norms({files.path}): nothing loaded; {len(problems)} problem(s):\n  " + "\n  ".join(problems))
@@ -760,8 +767,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("path", metavar="PATH",
                         help="a .safetensors file, a directory of shards, or a model.safetensors.index.json")
     parser.add_argument("--config", metavar="FILE",
-                        help="expected model config when no config.json sits beside the checkpoint "
-                             "(default: built-in 671B V3.2-Exp)")
+                        help="expected model config (default: the config.json beside the checkpoint, "
+                             "else the built-in 671B V3.2-Exp)")
     parser.add_argument("--json", metavar="FILE", help="write the report as JSON ('-': stdout instead of the text)")
 
 

@@ -103,16 +103,53 @@ def _eps(value, what: str) -> float:
     return float(value)
 
 
-def _takes_residual(module: nn.Module) -> bool:
+def _forward_params(module: nn.Module) -> Optional[list]:
+    """The names ``forward`` takes after ``self`` (``*args`` / ``**kwargs`` as ``*name`` / ``**name``),
+    or None when its signature cannot be read."""
     try:
-        return "residual" in inspect.signature(module.forward).parameters
+        params = inspect.signature(type(module).forward).parameters.values()
     except (TypeError, ValueError):
-        return False
+        return None
+    prefix = {inspect.Parameter.VAR_POSITIONAL: "*", inspect.Parameter.VAR_KEYWORD: "**"}
+    return [prefix.get(p.kind, "") + p.name for p in params][1:]
+
+
+def _takes_only(module: nn.Module, count: int) -> None:
+    """Leave a norm whose forward takes more than its first ``count`` arguments: dsnorm's second
+    one is the residual, so a gate (Mamba2 / Bamba / Qwen3-Next gated norms) would silently become one."""
+    params = _forward_params(module)
+    if params is None:
+        raise _Leave("forward's signature cannot be read")
+    if len(params) > count or any(p.startswith("*") for p in params):
+        raise _Leave(f"forward takes {', '.join(params)}: more than dsnorm's "
+                     f"{'(x)' if count == 1 else '(x, residual)'}")
+
+
+# What nn.Module keeps per instance that a replacement would silently drop.
+_HOOK_DICTS = (
+    "_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks",
+    "_state_dict_pre_hooks", "_state_dict_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks",
+)
+
+
+def _check_replaceable(module: nn.Module) -> None:
+    """Leave a module carrying per-instance behaviour dsnorm.RMSNorm would not: hooks (activation
+    capture, offloading), a forward replaced on the instance (accelerate's hook wrapper), a
+    parametrised weight (whose value a copy would freeze)."""
+    hooks = [h for h in _HOOK_DICTS if getattr(module, h, None)]
+    if hooks:
+        raise _Leave(f"has hooks ({', '.join(hooks)}) that a replacement would drop")
+    if "forward" in module.__dict__:
+        raise _Leave("forward is replaced on the instance (a hook wrapper, e.g. accelerate's offload): "
+                     "a replacement would drop it")
+    if torch.nn.utils.parametrize.is_parametrized(module):
+        raise _Leave("weight is parametrised (torch.nn.utils.parametrize): a copy would freeze its value")
 
 
 def _plan(module: nn.Module) -> tuple:
     """``(cast, eps, probe_dtypes, fused_probe, reason)`` for a norm dsnorm reproduces; raises ``_Leave`` otherwise."""
     cls = type(module).__name__
+    _check_replaceable(module)
     if isinstance(module, nn.RMSNorm):
         if len(module.normalized_shape) != 1:
             raise _Leave(f"normalized_shape {tuple(module.normalized_shape)} spans several axes")
@@ -129,13 +166,20 @@ def _plan(module: nn.Module) -> tuple:
     if "gemma" in cls.lower():
         raise _Leave("Gemma-style norm: gain is (1 + weight), not weight")
     if hasattr(module, "variance_epsilon") and _RMS_LIKE.search(cls):
+        _takes_only(module, 1)
         w = _weight_1d(module)
         eps = _eps(module.variance_epsilon, "variance_epsilon")
-        note = "" if w.dtype != torch.float32 else " (fp32 weight: exact for fp32 activations)"
+        if w.dtype == torch.float32:
+            # HF returns fp32 weight * x̂.to(bf16) for bf16 activations (autocast, fp32 master
+            # weights): an fp32 result no dsnorm cast gives.
+            raise _Leave("Hugging Face / Llama-style norm with an fp32 weight: for bf16/fp16 inputs it "
+                         "returns fp32 weight * x̂.to(x.dtype), which no dsnorm cast reproduces")
         return ("hf", eps, [w.dtype], False,
                 f"Hugging Face / Llama-style: weight * x̂.to(x.dtype), weight {str(w.dtype)[6:]}; "
-                f"inputs assumed in the weight's dtype{note}")
-    if cls in ("RMSNorm", "RMSNormRef") and hasattr(module, "eps") and hasattr(module, "dim") and _takes_residual(module):
+                f"inputs assumed in the weight's dtype (the model's)")
+    if (cls in ("RMSNorm", "RMSNormRef") and hasattr(module, "eps") and hasattr(module, "dim")
+            and "residual" in (_forward_params(module) or ())):
+        _takes_only(module, 2)
         w = _weight_1d(module)
         eps = _eps(module.eps, "eps")
         if w.shape[0] != module.dim:
