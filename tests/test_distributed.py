@@ -319,6 +319,70 @@ def refusals(mesh):
 
 
 @check
+def fusions(mesh):
+    """fp8, MLA and final-norm fusions: row placements run locally, bitwise; a sequence-split
+    final_norm and a last-dim shard are refused by name."""
+    import pytest
+
+    import dsnorm
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    x, r = _randn((3, 5, 256), torch.bfloat16, 91), _randn((3, 5, 256), torch.bfloat16, 92)
+    w = 1 + 0.5 * _randn((256,), torch.float32, 93)
+    kv = _randn((3, 5, 160), torch.bfloat16, 94)
+    wkv = 1 + 0.5 * _randn((128,), torch.float32, 95)
+    lengths = torch.tensor([5, 2, 4])
+    dw, dwkv = distribute_tensor(w, mesh, [Replicate()]), distribute_tensor(wkv, mesh, [Replicate()])
+
+    def same(got, want, what):
+        # Each rank's shard against the same shard of the single-process result (gloo cannot gather
+        # fp8, so no full_tensor()).
+        for g, e in zip(got, want):
+            placements = g.placements
+            _bitwise(g.to_local().view(torch.uint8), distribute_tensor(e.view(torch.uint8), mesh, placements).to_local(),
+                     what)
+
+    for return_normed in (False, True):
+        want = dsnorm.rms_norm_fp8(x, w, block_size=128, return_normed=return_normed)
+        want_fused = dsnorm.fused_add_rms_norm_fp8(x, r, w, block_size=128, return_normed=return_normed)
+        for pl in _row_placements(3):
+            dx, dr = distribute_tensor(x, mesh, [pl]), distribute_tensor(r, mesh, [pl])
+            with CommDebugMode() as cm:
+                got = dsnorm.rms_norm_fp8(dx, dw, block_size=128, return_normed=return_normed)
+                got_fused = dsnorm.fused_add_rms_norm_fp8(dx, dr, dw, block_size=128, return_normed=return_normed)
+            _no_comm(cm)
+            assert all(tuple(t.placements) == (pl,) for t in got + got_fused)
+            same(got, want, f"rms_norm_fp8 {pl} {return_normed}")
+            same(got_fused, want_fused, f"fused_add_rms_norm_fp8 {pl} {return_normed}")
+    want = dsnorm.mla_latent_norms(x, kv, w, wkv)
+    for pl in _row_placements(3):
+        dx, dkv = distribute_tensor(x, mesh, [pl]), distribute_tensor(kv, mesh, [pl])
+        with CommDebugMode() as cm:
+            got = dsnorm.mla_latent_norms(dx, dkv, dw, dwkv)
+        _no_comm(cm)
+        assert all(tuple(t.placements) == (pl,) for t in got)
+        same(got, want, f"mla_latent_norms {pl}")
+    for lens in (None, lengths):
+        want = dsnorm.final_norm(x, r, w, lengths=lens)
+        for pl in (Shard(0), Replicate()):
+            dl = None if lens is None else distribute_tensor(lens, mesh, [pl])
+            dx, dr = distribute_tensor(x, mesh, [pl]), distribute_tensor(r, mesh, [pl])
+            with CommDebugMode() as cm:
+                got = dsnorm.final_norm(dx, dr, dw, lengths=dl)
+            _no_comm(cm)
+            assert all(tuple(t.placements) == (pl,) for t in got)
+            same(got, want, f"final_norm {pl} lengths={lens}")
+    with pytest.raises(Exception, match=r"final_norm: h .* sharded on dimension 1 .*last position.*Shard\(0\)"):
+        dsnorm.final_norm(distribute_tensor(x, mesh, [Shard(1)]), distribute_tensor(r, mesh, [Shard(1)]), dw)
+    with pytest.raises(Exception, match=r"rms_norm_fp8: x .* sharded on its last dimension"):
+        dsnorm.rms_norm_fp8(distribute_tensor(x, mesh, [Shard(2)]), dw, block_size=128)
+    with pytest.raises(Exception, match=r"mla_latent_norms: kv_a .* sharded on its last dimension"):
+        dsnorm.mla_latent_norms(distribute_tensor(x, mesh, [Shard(0)]), distribute_tensor(kv, mesh, [Shard(2)]),
+                                dw, dwkv)
+
+
+@check
 def sequence_parallel(mesh):
     """torch's SequenceParallel on dsnorm.RMSNorm; dsnorm's SequenceParallel keeps the residual."""
     import dsnorm

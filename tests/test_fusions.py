@@ -357,6 +357,13 @@ def test_final_norm_errors():
         final_norm(h, r.float(), w)
     with pytest.raises(TypeError, match="last_only"):
         final_norm(h, r, w, last_only="yes")
+    # Errors name final_norm's own arguments (h), not the core's (x).
+    with pytest.raises(TypeError, match="h must be a torch.Tensor"):
+        final_norm([1.0], r, w)
+    with pytest.raises(ValueError, match=r"residual must have h's shape \(2, 4, 64\)"):
+        final_norm(h, r[:, :1], w)
+    with pytest.raises(ValueError, match=r"weight must have shape \(64,\) to match h's last dimension"):
+        final_norm(h, r, torch.ones(5))
     with pytest.raises(RuntimeError, match="inference-only"):
         final_norm(h.float().requires_grad_(), r.float(), w)
 
@@ -397,6 +404,15 @@ def test_mla_latent_norms_strided_and_errors():
         mla_latent_norms(q, kv_a.float(), wq, wkv)
     with pytest.raises(TypeError, match="kv_a must be a torch.Tensor"):
         mla_latent_norms(q, None, wq, wkv)
+    # Errors say which gain (q_weight or kv_weight) and q_latent, not the core's weight and x.
+    with pytest.raises(TypeError, match="q_latent must be a torch.Tensor"):
+        mla_latent_norms([1.0], kv_a, wq, wkv)
+    with pytest.raises(TypeError, match="kv_weight must be a torch.Tensor"):
+        mla_latent_norms(q, kv_a, wq, [1.0] * 512)
+    with pytest.raises(TypeError, match="kv_weight must be float32, bfloat16, float16 or float64, got torch.int32"):
+        mla_latent_norms(q, kv_a, wq, wkv.int())
+    with pytest.raises(TypeError, match="q_weight must be a dense"):
+        mla_latent_norms(q, kv_a, wq.to_sparse(), wkv)
     with pytest.raises(RuntimeError, match="inference-only"):
         mla_latent_norms(q.float().requires_grad_(), kv_a.float(), wq, wkv)
 

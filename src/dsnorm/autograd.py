@@ -105,15 +105,15 @@ def _needs_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
-def _compute_weight(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def _compute_weight(weight: torch.Tensor, x: torch.Tensor, name: str = "weight", x_name: str = "x") -> torch.Tensor:
     # bf16/fp16 gains widen exactly; the cast is differentiable, so dweight comes back in the
-    # weight's own dtype.
+    # weight's own dtype. ``name`` / ``x_name``: the caller's argument names, for the errors.
     if not isinstance(weight, torch.Tensor):
-        raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(weight).__name__}")
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        raise TypeError(f"{x_name} must be a torch.Tensor, got {type(x).__name__}")
     if weight.layout is not torch.strided:
-        ops.check_dense(weight, "weight")
+        ops.check_dense(weight, name)
     # The kernels read the gain with unit stride: a strided or expanded one is copied (it is small).
     wdtype = weight.dtype
     # A ZeroTensor has no memory (the dispatcher would hand the op an expanded zero); the probe is
@@ -123,7 +123,7 @@ def _compute_weight(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     if wdtype is torch.float32 and x.dtype is not torch.float64:  # the common case, in three reads
         return weight if weight.is_contiguous() else weight.contiguous()
     if wdtype not in ops.INPUT_DTYPES:
-        raise TypeError(f"weight must be float32, bfloat16, float16 or float64, got {wdtype}")
+        raise TypeError(f"{name} must be float32, bfloat16, float16 or float64, got {wdtype}")
     cdtype = compute_dtype(x.dtype) if x.dtype in ops.INPUT_DTYPES else torch.float32
     return (weight if wdtype == cdtype else weight.to(cdtype)).contiguous()
 

@@ -1,4 +1,5 @@
-"""DTensor sharding rules for the ``torch.ops.dsnorm`` ops (tensor, sequence and data parallel).
+"""DTensor sharding rules for the ``torch.ops.dsnorm`` ops (tensor, sequence and data parallel),
+the core ops and the fusions' (fp8, MLA latent norms, final norm).
 
 Every dsnorm op normalises each row (the last dimension) on its own, so a :class:`DTensor`
 sharded on any *other* dimension (batch ``Shard(0)``, sequence ``Shard(1)``, ...) or replicated
@@ -48,9 +49,10 @@ __all__ = ["SequenceParallel", "install", "is_registered", "register"]
 _DT_MODULE = "torch.distributed.tensor"
 
 # Roles of the op arguments: "row" = [..., n] like x (the anchor, x, decides the placements),
-# "rstd" = x.shape[:-1], "weight" = [n] gain, None = not a tensor.
-# Outputs: "row", "rstd", "dweight".
-_ROW, _RSTD, _WEIGHT, _DWEIGHT = "row", "rstd", "weight", "dweight"
+# "rstd" = x.shape[:-1], "weight" = [n] gain, "batch" = [B] (final_norm's lengths), None = not a
+# tensor. Outputs: "row", "rstd", "dweight", and "normed": the fp8 ops' y, a row output when
+# return_normed (their last argument) is set, else a [0] placeholder (replicated).
+_ROW, _RSTD, _WEIGHT, _DWEIGHT, _BATCH, _NORMED = "row", "rstd", "weight", "dweight", "batch", "normed"
 
 # op name -> (argument roles, output roles, index of the anchor x among the arguments, in place)
 _RULES = {
@@ -67,6 +69,15 @@ _RULES = {
     "fused_add_rms_norm_bwd": (
         (_ROW, _ROW, _ROW, _WEIGHT, _RSTD, _ROW, None), (_ROW, _ROW, _DWEIGHT), 1, False,
     ),
+    # The inference fusions (dsnorm.fusions): per row as well. fp8 scales [..., n // block] and the
+    # MLA kv output [..., kv_lora_rank] follow the rows.
+    "rms_norm_fp8": ((_ROW, _WEIGHT, None, None, None, None), (_ROW, _ROW, _NORMED), 0, False),
+    "fused_add_rms_norm_fp8": (
+        (_ROW, _ROW, _WEIGHT, None, None, None, None), (_ROW, _ROW, _ROW, _NORMED), 0, False,
+    ),
+    "mla_latent_norms": ((_ROW, _ROW, _WEIGHT, _WEIGHT, None), (_ROW, _ROW), 0, False),
+    # h [B, T, d] -> [B, d]: rows of the batch only (see _BATCH_ONLY).
+    "final_norm": ((_ROW, _ROW, _WEIGHT, None, _BATCH), (_ROW, _ROW), 0, False),
 }
 
 # Row arguments whose placement is checked for a last-dimension shard (the normalised inputs);
@@ -75,7 +86,12 @@ _CHECKED_ROWS = {
     "rms_norm": (0,), "rms_norm_fwd": (0,), "fused_add_rms_norm": (0, 1),
     "fused_add_rms_norm_fwd": (0, 1), "fused_add_rms_norm_": (0, 1),
     "rms_norm_bwd": (1,), "fused_add_rms_norm_bwd": (1, 2),
+    "rms_norm_fp8": (0,), "fused_add_rms_norm_fp8": (0, 1), "mla_latent_norms": (0, 1), "final_norm": (0, 1),
 }
+
+# Ops whose anchor may be sharded on dim 0 (the batch) only: final_norm takes each sequence's last
+# position, which only one rank of a sequence (Shard(1)) split holds.
+_BATCH_ONLY = {"final_norm"}
 
 _registered = False
 _lock = threading.RLock()
@@ -138,6 +154,16 @@ def _strategy(op_name: str, op_schema):
                 raise _last_dim_error(op_name, _arg_name(op_name, i), spec, mesh_dim)
 
     x_spec = specs[anchor]
+    if op_name in _BATCH_ONLY:
+        for mesh_dim, p in enumerate(x_spec.placements):
+            d = _shard_dim(p)
+            if d is not None and d % x_spec.ndim != 0:
+                raise ValueError(
+                    f"dsnorm.{op_name}: {_arg_name(op_name, anchor)} of shape {tuple(x_spec.shape)} is sharded on "
+                    f"dimension {d} ({p!r} on mesh dim {mesh_dim}); it picks each sequence's last position, which "
+                    f"one rank of a sequence split holds. Shard it by batch (Shard(0)) or Replicate() it, e.g. "
+                    f"h.redistribute(mesh, [Replicate()]) after SequenceParallel, or use last_only=False"
+                )
     rows = tuple(Replicate() if p.is_partial() else p for p in x_spec.placements)
     dweight = tuple(Partial("sum") if _shard_dim(p) is not None else Replicate() for p in rows)
     replicate = tuple(Replicate() for _ in rows)
@@ -158,8 +184,11 @@ def _strategy(op_name: str, op_schema):
             f"written in place; redistribute first or use dsnorm.fused_add_rms_norm"
         )
 
+    normed = rows if op_name.endswith("_fp8") and args[-1] else replicate
+
     def placed(role):
-        return {_ROW: rows, _RSTD: rows, _WEIGHT: replicate, _DWEIGHT: dweight}[role]
+        # A [B] batch tensor takes x's Shard(0) / Replicate() (the only placements _BATCH_ONLY lets through).
+        return {_ROW: rows, _RSTD: rows, _WEIGHT: replicate, _DWEIGHT: dweight, _BATCH: rows, _NORMED: normed}[role]
 
     input_specs, costs = [], []
     for i, (role, arg) in enumerate(zip(arg_roles, args)):
@@ -190,7 +219,7 @@ def register() -> None:
             raise RuntimeError("torch.distributed is not available in this PyTorch build: no DTensor to register for")
         from functools import partial
 
-        import dsnorm.ops  # noqa: F401  (defines torch.ops.dsnorm.*)
+        import dsnorm.fusions  # noqa: F401  (defines torch.ops.dsnorm.*, the fusions' ops too)
 
         try:
             from torch.distributed.tensor import DTensor

@@ -142,8 +142,8 @@ def _check_final(h, residual, weight, eps, lengths):
         raise ValueError(f"h must be [batch, seq, dim] (3-D), got shape {tuple(h.shape)}")
     if h.shape[1] == 0:
         raise ValueError(f"h must have at least one position (seq >= 1), got shape {tuple(h.shape)}")
-    ops.check_residual(residual, h, None, fp32_hint=False)
-    ops.check_weight(weight, h)
+    ops.check_residual(residual, h, None, fp32_hint=False, x_name="h")
+    ops.check_weight(weight, h, "h")
     ops.check_options(eps, "deepseek")
     if lengths is not None:
         if not isinstance(lengths, torch.Tensor):
@@ -418,7 +418,7 @@ def final_norm(
     """
     if not isinstance(last_only, bool):
         raise TypeError(f"last_only must be a bool, got {type(last_only).__name__}")
-    w = _compute_weight(weight, h)
+    w = _compute_weight(weight, h, x_name="h")
     if not isinstance(residual, torch.Tensor):
         raise TypeError(f"residual must be a torch.Tensor, got {type(residual).__name__}")
     if lengths is not None and not isinstance(lengths, torch.Tensor):
@@ -473,8 +473,8 @@ def mla_latent_norms(
         ``(q_normed, kv_normed)``: new contiguous tensors ``[..., q_lora_rank]`` and
         ``[..., kv_lora_rank]`` in the inputs' dtype.
     """
-    wq = _compute_weight(q_weight, q_latent)
-    wkv = _compute_weight(kv_weight, q_latent)
+    wq = _compute_weight(q_weight, q_latent, "q_weight", "q_latent")
+    wkv = _compute_weight(kv_weight, q_latent, "kv_weight", "q_latent")
     if not isinstance(kv_a, torch.Tensor):
         raise TypeError(f"kv_a must be a torch.Tensor, got {type(kv_a).__name__}")
     _refuse_options("mla_latent_norms", cast)

@@ -108,16 +108,16 @@ def check_input(x: torch.Tensor, name: str = "x") -> None:
         raise ValueError(f"{name} must have a last dimension of width >= 1, got shape {tuple(x.shape)}")
 
 
-def check_weight(weight: torch.Tensor, x: torch.Tensor) -> None:
+def check_weight(weight: torch.Tensor, x: torch.Tensor, x_name: str = "x") -> None:
     if not isinstance(weight, torch.Tensor):
         raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
     check_dense(weight, "weight")
     if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
         raise ValueError(
-            f"weight must have shape ({x.shape[-1]},) to match x's last dimension, got {tuple(weight.shape)}"
+            f"weight must have shape ({x.shape[-1]},) to match {x_name}'s last dimension, got {tuple(weight.shape)}"
         )
     if weight.device != x.device:
-        raise ValueError(f"weight must be on x's device {x.device}, got {weight.device}")
+        raise ValueError(f"weight must be on {x_name}'s device {x.device}, got {weight.device}")
     if not weight.is_contiguous():
         raise ValueError(
             f"weight must be contiguous (unit stride) at the op level, got stride {weight.stride()}; "
@@ -125,20 +125,20 @@ def check_weight(weight: torch.Tensor, x: torch.Tensor) -> None:
         )
     if weight.dtype != compute_dtype(x.dtype):
         raise TypeError(
-            f"weight must be {compute_dtype(x.dtype)} (the compute dtype for x of {x.dtype}) at the op "
+            f"weight must be {compute_dtype(x.dtype)} (the compute dtype for {x_name} of {x.dtype}) at the op "
             f"level, got {weight.dtype}; dsnorm.rms_norm and friends upcast other weights exactly"
         )
 
 
 def check_residual(residual: torch.Tensor, x: torch.Tensor, residual_dtype, name: str = "residual",
-                   fp32_hint: bool = True) -> None:
+                   fp32_hint: bool = True, x_name: str = "x") -> None:
     if not isinstance(residual, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(residual).__name__}")
     check_dense(residual, name)
     if residual.shape != x.shape:
-        raise ValueError(f"{name} must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")
+        raise ValueError(f"{name} must have {x_name}'s shape {tuple(x.shape)}, got {tuple(residual.shape)}")
     if residual.device != x.device:
-        raise ValueError(f"{name} must be on x's device {x.device}, got {residual.device}")
+        raise ValueError(f"{name} must be on {x_name}'s device {x.device}, got {residual.device}")
     allowed = (x.dtype,) if residual_dtype is None else (x.dtype, torch.float32)
     if residual.dtype not in allowed:
         want = " or ".join(str(d) for d in dict.fromkeys(allowed))
