@@ -183,9 +183,8 @@ def test_left_alone_with_reasons():
 
 def test_left_alone_where_a_replacement_would_change_behaviour():
     # Each of these looks like a norm dsnorm reproduces, but replacing it would silently change what
-    # the model computes: a gate argument would become dsnorm's residual; an fp32-weight HF norm
-    # returns fp32 for bf16 inputs (autocast); hooks, an instance-level forward wrapper and a
-    # parametrised weight would be dropped.
+    # the model computes: a gate argument would become dsnorm's residual; hooks, an instance-level
+    # forward wrapper and a parametrised weight would be dropped.
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     class GatedRMSNorm(LlamaRMSNorm):
@@ -204,20 +203,60 @@ def test_left_alone_where_a_replacement_would_change_behaviour():
     wrapped.forward = lambda *a, **k: plain_forward(*a, **k)
     param = bf16_norm()
     torch.nn.utils.parametrize.register_parametrization(param, "weight", nn.Identity())
-    model = nn.ModuleDict({"gated": GatedRMSNorm(32).to(torch.bfloat16), "fp32_weight": LlamaRMSNorm(32),
+    model = nn.ModuleDict({"gated": GatedRMSNorm(32).to(torch.bfloat16),
                            "hooked": hooked, "wrapped": wrapped, "param": param, "fine": bf16_norm()})
     before = dict(model.items())
     rep = patch(model)
     assert [e.name for e in rep.replaced] == ["fine"]
     why = {e.name: e.reason for e in rep.left}
     assert "forward takes hidden_states, gate" in why["gated"]
-    assert "fp32 weight" in why["fp32_weight"]
     assert "_forward_hooks" in why["hooked"]
     assert "replaced on the instance" in why["wrapped"]
     assert "parametrised" in why["param"]
     assert all(model[k] is v for k, v in before.items() if k != "fine")
     model["hooked"](torch.ones(2, 32, dtype=torch.bfloat16))
     assert len(seen) == 1
+
+
+def test_hf_norms_with_an_fp32_gain_the_other_order_and_tied_gains():
+    # An fp32 HF model: its norms meet fp32 activations, and bf16/fp16 ones under autocast, where HF
+    # returns the fp32 product weight * x̂.to(bf16). Olmo2's class has variance_epsilon too but
+    # computes (weight * x̂).to(dtype): patched before its weights load (a gain of ones, where the two
+    # orders agree), only the probe's random gain tells them apart. A gain tied between two norms
+    # stays one parameter.
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
+
+    from dsnorm.patching import PromotingHFRMSNorm
+
+    fp32_norm = LlamaRMSNorm(48, eps=1e-5)
+    olmo = Olmo2RMSNorm(48).to(torch.bfloat16)  # gain of ones, as built
+    tied_a, tied_b = LlamaRMSNorm(48).to(torch.bfloat16), LlamaRMSNorm(48).to(torch.bfloat16)
+    tied_b.weight = tied_a.weight
+    model = nn.ModuleDict({"fp32": fp32_norm, "olmo": olmo, "tied_a": tied_a, "tied_b": tied_b})
+    rep = patch(model)
+    assert sorted(e.name for e in rep.replaced) == ["fp32", "olmo", "tied_a", "tied_b"], str(rep)
+    assert type(model["fp32"]) is PromotingHFRMSNorm and model["fp32"].cast == "hf"
+    assert model["olmo"].cast == "deepseek"
+    assert model["tied_a"] is not model["tied_b"] and model["tied_a"].weight is model["tied_b"].weight
+    gen = torch.Generator().manual_seed(3)
+    gain = 1 + 0.5 * torch.randn(48, generator=gen)
+    with torch.no_grad():  # the weights load after the patch
+        fp32_norm.weight.copy_(gain)
+        model["fp32"].weight.copy_(gain)
+        olmo.weight.copy_(gain.to(torch.bfloat16))
+        model["olmo"].weight.copy_(gain.to(torch.bfloat16).float())
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        x = (3 * torch.randn(5, 48, generator=gen)).to(dtype)
+        want, got = fp32_norm(x), model["fp32"](x)
+        assert got.dtype == want.dtype == torch.float32 and torch.equal(got, want), dtype
+    x = torch.randn(5, 48, generator=gen).to(torch.bfloat16)
+    assert torch.equal(model["olmo"](x), olmo(x))
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the fp32 model's training setting
+        lin = nn.Linear(48, 48)
+        want = fp32_norm(lin(x.float()))
+        got = model["fp32"](lin(x.float()))
+    assert got.dtype == want.dtype and torch.equal(got, want)
 
 
 def test_hf_llama_norm_and_shared_modules():

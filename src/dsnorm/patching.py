@@ -19,6 +19,7 @@ inputs against the module it replaces, and left alone if any output bit differs.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import re
 import warnings
@@ -146,8 +147,39 @@ def _check_replaceable(module: nn.Module) -> None:
         raise _Leave("weight is parametrised (torch.nn.utils.parametrize): a copy would freeze its value")
 
 
+class PromotingHFRMSNorm(RMSNorm):
+    """A Hugging Face / Llama-style norm with a float32 gain: ``weight * x̂.to(x.dtype)`` with torch's
+    type promotion, ``x̂ = x * rsqrt(mean(x^2) + eps)`` in fp32.
+
+    For ``x`` in the weight's dtype that is ``cast="hf"`` (one kernel). For bf16/fp16 ``x`` with an
+    fp32 weight (an fp32 model under autocast, fp32 master weights) HF returns the **fp32** product
+    of the gain and the rounded x̂, which no single dsnorm cast gives: x̂ is rounded once by a
+    unit-gain dsnorm norm, then multiplied by the gain in fp32, as HF does. :func:`patch` uses it for
+    such norms; the weight, state_dict key and constructor are ``RMSNorm``'s.
+    """
+
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        if residual is not None or x.dtype == self.weight.dtype or x.dtype == torch.float64:
+            return super().forward(x, residual)
+        from dsnorm.autograd import rms_norm
+
+        unit = torch.ones(self.dim, dtype=torch.float32, device=self.weight.device)
+        return self.weight * rms_norm(x, unit, self.eps, cast="hf")
+
+
+@dataclass
+class _Candidate:
+    """One way to reproduce a norm: the dsnorm class and cast, the activation dtypes to probe in."""
+
+    cls: type
+    cast: str
+    dtypes: list
+    reason: str
+
+
 def _plan(module: nn.Module) -> tuple:
-    """``(cast, eps, probe_dtypes, fused_probe, reason)`` for a norm dsnorm reproduces; raises ``_Leave`` otherwise."""
+    """``(eps, fused_probe, candidates)`` for a norm dsnorm may reproduce (the first candidate that
+    passes the probe is taken); raises ``_Leave`` otherwise."""
     cls = type(module).__name__
     _check_replaceable(module)
     if isinstance(module, nn.RMSNorm):
@@ -161,22 +193,33 @@ def _plan(module: nn.Module) -> tuple:
         # eps=None means float32's machine epsilon for bf16/fp16/fp32 inputs (F.rms_norm's opmath type).
         eps = torch.finfo(torch.float32).eps if module.eps is None else _eps(module.eps, "eps")
         dtypes = sorted({w.dtype, torch.bfloat16, torch.float32}, key=str)
-        return ("deepseek", eps, dtypes, False,
-                "torch.nn.RMSNorm on CPU: F.rms_norm multiplies the fp32 x̂ by the weight in fp32, casts once")
+        return eps, False, [_Candidate(RMSNorm, "deepseek", dtypes,
+                                       "torch.nn.RMSNorm on CPU: F.rms_norm multiplies the fp32 x̂ by the weight "
+                                       "in fp32, casts once")]
     if "gemma" in cls.lower():
         raise _Leave("Gemma-style norm: gain is (1 + weight), not weight")
     if hasattr(module, "variance_epsilon") and _RMS_LIKE.search(cls):
         _takes_only(module, 1)
         w = _weight_1d(module)
         eps = _eps(module.variance_epsilon, "variance_epsilon")
+        # Most such classes compute weight * x̂.to(x.dtype) (DeepseekV3, Llama, Qwen, Mistral); some
+        # (Olmo2, GptOss) (weight * x̂).to(x.dtype): the probe, with a non-unit gain, tells them apart.
+        deepseek_order = "Llama-style class whose probe matches (weight * x̂) in fp32, cast once"
         if w.dtype == torch.float32:
-            # HF returns fp32 weight * x̂.to(bf16) for bf16 activations (autocast, fp32 master
-            # weights): an fp32 result no dsnorm cast gives.
-            raise _Leave("Hugging Face / Llama-style norm with an fp32 weight: for bf16/fp16 inputs it "
-                         "returns fp32 weight * x̂.to(x.dtype), which no dsnorm cast reproduces")
-        return ("hf", eps, [w.dtype], False,
-                f"Hugging Face / Llama-style: weight * x̂.to(x.dtype), weight {str(w.dtype)[6:]}; "
-                f"inputs assumed in the weight's dtype (the model's)")
+            # An fp32 gain meets bf16/fp16 activations under autocast: probe those too.
+            dtypes = [torch.float32, torch.bfloat16, torch.float16]
+            return eps, False, [
+                _Candidate(PromotingHFRMSNorm, "hf", dtypes,
+                           "Hugging Face / Llama-style, fp32 weight: weight * x̂.to(x.dtype), promoted (fp32 for "
+                           "bf16/fp16 inputs, as under autocast)"),
+                _Candidate(RMSNorm, "deepseek", dtypes, deepseek_order),
+            ]
+        return eps, False, [
+            _Candidate(RMSNorm, "hf", [w.dtype],
+                       f"Hugging Face / Llama-style: weight * x̂.to(x.dtype), weight {str(w.dtype)[6:]}; "
+                       f"inputs assumed in the weight's dtype (the model's)"),
+            _Candidate(RMSNorm, "deepseek", [w.dtype], deepseek_order),
+        ]
     if (cls in ("RMSNorm", "RMSNormRef") and hasattr(module, "eps") and hasattr(module, "dim")
             and "residual" in (_forward_params(module) or ())):
         _takes_only(module, 2)
@@ -184,13 +227,19 @@ def _plan(module: nn.Module) -> tuple:
         eps = _eps(module.eps, "eps")
         if w.shape[0] != module.dim:
             raise _Leave(f"weight has {w.shape[0]} elements but dim is {module.dim}")
-        return ("deepseek", eps, [torch.bfloat16, torch.float32], True,
-                "DeepSeek reference RMSNorm: (weight * x̂) in fp32, cast once; fused residual form kept")
+        return eps, True, [_Candidate(RMSNorm, "deepseek", [torch.bfloat16, torch.float32],
+                                      "DeepSeek reference RMSNorm: (weight * x̂) in fp32, cast once; fused "
+                                      "residual form kept")]
     raise _Leave(f"unrecognised RMSNorm implementation {cls}: not known to be reproducible bitwise")
 
 
 def _probe(old: nn.Module, new: RMSNorm, dtypes: list, fused: bool) -> Optional[str]:
-    """Run both modules on a few fixed inputs; the first difference found, or ``None``."""
+    """Run both modules on a few fixed inputs, with their own gain and then (on copies) with a
+    random one; the first difference found, or ``None``.
+
+    The second gain matters: a norm patched before its weights are loaded has a gain of ones, under
+    which ``weight * x̂.to(dtype)`` and ``(weight * x̂).to(dtype)`` agree bit for bit.
+    """
     gen = torch.Generator().manual_seed(0x5EED)
     dim = new.dim
     device = new.weight.device
@@ -198,20 +247,27 @@ def _probe(old: nn.Module, new: RMSNorm, dtypes: list, fused: bool) -> Optional[
     # Rows of very different magnitudes and one all-zero row exercise eps and the rounding.
     base = base * torch.tensor([1.0, 1e-3, 30.0, 1.0, 1e2, 0.0]).unsqueeze(1)
     res = torch.randn(6, dim, generator=gen)
+    gain = 1 + 0.5 * torch.randn(dim, generator=gen)
+    old_gained, new_gained = copy.deepcopy(old), copy.deepcopy(new)
+    with torch.no_grad():
+        old_gained.weight.copy_(gain.to(old.weight.dtype))
+        new_gained.weight.copy_(old_gained.weight.to(torch.float32))  # exact: bf16/fp16 widen
     # F.rms_norm warns when input and weight dtypes differ; the probe does that on purpose.
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for dtype in dtypes:
-            x = base.to(device=device, dtype=dtype)
-            a, b = old.forward(x), new(x)
-            if not isinstance(a, torch.Tensor) or a.dtype != b.dtype or not torch.equal(a, b):
-                return f"probe in {dtype}: output differs from dsnorm cast={new.cast!r}"
-            if fused:
-                r = res.to(device=device, dtype=dtype)
-                a, b = old.forward(x, r), new(x, r)
-                if not (isinstance(a, tuple) and len(a) == 2 and all(torch.equal(p, q) and p.dtype == q.dtype
-                                                                    for p, q in zip(a, b))):
-                    return f"probe in {dtype} with residual: output differs from dsnorm cast={new.cast!r}"
+        for gained, (a_mod, b_mod) in enumerate(((old, new), (old_gained, new_gained))):
+            what = " with a random gain" if gained else ""
+            for dtype in dtypes:
+                x = base.to(device=device, dtype=dtype)
+                a, b = a_mod.forward(x), b_mod(x)
+                if not isinstance(a, torch.Tensor) or a.dtype != b.dtype or not torch.equal(a, b):
+                    return f"probe in {dtype}{what}: output differs from dsnorm cast={new.cast!r}"
+                if fused:
+                    r = res.to(device=device, dtype=dtype)
+                    a, b = a_mod.forward(x, r), b_mod(x, r)
+                    if not (isinstance(a, tuple) and len(a) == 2 and all(torch.equal(p, q) and p.dtype == q.dtype
+                                                                        for p, q in zip(a, b))):
+                        return f"probe in {dtype}{what} with residual: output differs from dsnorm cast={new.cast!r}"
     return None
 
 
@@ -219,15 +275,21 @@ def patch(model: nn.Module, *, probe: bool = True) -> PatchReport:
     """Replace, in place, every RMSNorm-like module of ``model`` with a ``dsnorm.RMSNorm`` of the same numerics.
 
     ``y = weight * x / sqrt(mean(x^2) + eps)``: the reference ``RMSNorm`` and ``torch.nn.RMSNorm`` (CPU)
-    become ``cast="deepseek"``, Hugging Face ``DeepseekV3RMSNorm`` / Llama-style norms ``cast="hf"``;
+    become ``cast="deepseek"``, Hugging Face ``DeepseekV3RMSNorm`` / Llama-style norms ``cast="hf"``
+    (with a float32 weight a :class:`PromotingHFRMSNorm`, which also returns HF's fp32 result for
+    bf16/fp16 inputs; Llama-style classes of the other order, found by the probe, ``"deepseek"``);
     the 1-D weight is copied exactly into dsnorm's float32 ``weight[dim]`` on the same device, with
     its ``requires_grad``; eps is read from the module. A module shared under several names is
-    replaced by one shared dsnorm module.
+    replaced by one shared dsnorm module, a gain tied between modules by one shared parameter.
+    Modules with hooks, a forward replaced on the instance, a parametrised weight or a forward that
+    takes more than dsnorm's ``(x[, residual])`` (gated norms) are left alone.
 
     Args:
         model: an ``nn.Module``; its children are replaced, the root itself never.
         probe: check every replacement bitwise on fixed probe inputs in the dtypes it will see (the
-            weight's dtype for HF norms) and leave the module alone on any difference.
+            weight's dtype for HF norms; bf16/fp16/fp32 for an fp32 weight), with the module's own
+            gain and a random one, and leave the module alone on any difference. ``False`` trusts
+            the class alone (and takes the first cast it suggests).
 
     Returns:
         :class:`PatchReport`: what was replaced (with cast and eps) and what was left alone and why
@@ -239,7 +301,8 @@ def patch(model: nn.Module, *, probe: bool = True) -> PatchReport:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     report = PatchReport()
-    done: dict = {}
+    done: dict = {}  # id(original module) -> (its replacement, why)
+    gains: dict = {}  # id(original weight) -> the replacement's weight Parameter
     # Snapshot first: replacing children while iterating named_modules would skip or revisit modules.
     candidates = [(n, m) for n, m in model.named_modules(remove_duplicate=False)
                   if isinstance(m, nn.RMSNorm) or _RMS_LIKE.search(type(m).__name__)]
@@ -254,24 +317,38 @@ def patch(model: nn.Module, *, probe: bool = True) -> PatchReport:
         new, why = done.get(id(old), (None, ""))
         if new is None:
             try:
-                cast, eps, dtypes, fused, why = _plan(old)
+                eps, fused, options = _plan(old)
             except _Leave as e:
                 report.left.append(PatchEntry(name, cls, False, str(e)))
                 continue
             w = old.weight
-            new = RMSNorm(w.shape[0], eps, cast=cast, device=w.device)
-            with torch.no_grad():
-                new.weight.copy_(w.detach().to(torch.float32))
-            new.weight.requires_grad_(w.requires_grad)
-            new.train(old.training)
-            if probe:
-                try:
-                    diff = _probe(old, new, dtypes, fused)
-                except Exception as e:  # the module under test may reject the probe input: then it stays
-                    diff = f"probe failed: {type(e).__name__}: {e}"
-                if diff is not None:
-                    report.left.append(PatchEntry(name, cls, False, diff))
-                    continue
+            diffs = []
+            for option in options if probe else options[:1]:
+                new = option.cls(w.shape[0], eps, cast=option.cast, device=w.device)
+                with torch.no_grad():
+                    new.weight.copy_(w.detach().to(torch.float32))
+                new.weight.requires_grad_(w.requires_grad)
+                new.train(old.training)
+                if probe:
+                    try:
+                        diff = _probe(old, new, option.dtypes, fused)
+                    except Exception as e:  # the module under test may reject the probe input: then it stays
+                        diff = f"probe failed: {type(e).__name__}: {e}"
+                    if diff is not None:
+                        diffs.append(diff)
+                        new = None
+                        continue
+                why = option.reason
+                break
+            if new is None:
+                report.left.append(PatchEntry(name, cls, False, "; ".join(diffs)))
+                continue
+            # A gain tied between several norm modules stays one parameter (training updates it once).
+            shared = gains.get(id(w))
+            if shared is not None:
+                new.weight = shared
+            else:
+                gains[id(w)] = new.weight
             done[id(old)] = (new, why)
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, new)
