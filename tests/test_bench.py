@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from conftest import max_ulp
+import dsnorm
 from dsnorm import bench
 from dsnorm.cli import main
 
@@ -176,6 +177,84 @@ def test_faulty_dsnorm_fails_the_run(monkeypatch, tmp_path, target, case_name):
     assert colored and all(line.startswith("\033[31m") for line in colored)
 
 
+def test_inplace_is_verified_in_the_buffers_it_writes(monkeypatch):
+    """An in-place op that leaves its buffers alone (writing and returning copies) fails the run."""
+    def writes_copies(x, residual, weight, *args, **kwargs):
+        return dsnorm.fused_add_rms_norm(x, residual, weight)
+
+    monkeypatch.setattr(dsnorm, "fused_add_rms_norm_", writes_copies)
+    rc, out, _ = run_cli(["bench", "--quick", "--cases", "in-place [1, 1536]", "--providers", "none"])
+    assert rc == 1 and "FAIL" in out and "must return its (x, residual)" in out
+
+
+def test_a_warm_call_is_verified_too(monkeypatch):
+    """The timed calls are warm ones (dsnorm's module takes its fast lane from its second call on):
+    a dsnorm right only on its first call fails the run."""
+    real = bench._dsnorm_callable
+
+    def right_once(case, inp):
+        fn, args, outputs = real(case, inp)
+        calls = []
+
+        def later_wrong():
+            y, r = outputs()
+            calls.append(1)
+            return (y, r) if len(calls) == 1 else (_flip_bit(y, 0), r)
+
+        return fn, args, later_wrong
+
+    monkeypatch.setattr(bench, "_dsnorm_callable", right_once)
+    rc, out, _ = run_cli(["bench", "--quick", "--cases", "q_norm decode B=1", "--providers", "none"])
+    assert rc == 1 and "FAIL" in out
+
+
+def test_verification_refuses_missing_outputs_and_other_shapes():
+    a = torch.randn(2, 3, dtype=torch.bfloat16)
+    with pytest.raises(ValueError):
+        bench.compare(a, a.reshape(3, 2))  # a dsnorm output of the wrong shape
+    assert bench.compare(a, a.reshape(3, 2), reshape=True)["pct_bitwise"] == 100.0  # a peer's layout
+    with pytest.raises(ValueError, match="1 outputs where the composition gives 2"):
+        bench._outputs_equal((a,), (a, a), "plain")
+    zeros = torch.zeros(4, dtype=torch.bfloat16)
+    eq = bench._outputs_equal((zeros,), (-zeros,), "plain", normed=(0,))
+    assert eq["max_ulp"] == 0 and eq["outputs_bitwise"] is False and eq["pct_bitwise"] == 0.0
+    assert not bench.fusion_fidelity_ok(eq, "cpu") and bench.fusion_fidelity_ok(eq, "cuda")
+    off = bench._outputs_equal((_flip_bit(a, 1), a), (a, a), "fused", normed=(0,))
+    assert off["normed_max_ulp"] == 2 and not bench.fusion_fidelity_ok(off, "cuda")  # y held to 1 ulp on GPU
+    codes = bench._outputs_equal((_flip_bit(a, 1), a), (a, a), "fused", normed=())
+    assert bench.fusion_fidelity_ok(codes, "cuda")  # fp8 codes/scales: reported only
+
+
+def test_a_provider_that_raises_while_timed_is_dropped_not_fatal():
+    calls = []
+
+    def flaky():
+        calls.append(1)
+        if len(calls) == 4:
+            raise RuntimeError("peer broke")
+
+    good = bench.Runner("good", "peer", lambda: None, lambda: ())
+    bad = bench.Runner("bad", "peer", flaky, lambda: ())
+    s = bench.Settings(budget_s=60.0, min_reps=6, max_reps=6, warmup=1, rounds=2, copy_mb=1, copy_reps=1)
+    failures = {}
+    res = bench.measure([good, bad], s, torch.device("cpu"), failures)
+    assert set(res) == {"good"} and res["good"][1] == 6 and "peer broke" in failures["bad"]
+    calls.clear()
+    with pytest.raises(RuntimeError, match="peer broke"):  # without a failures dict it propagates
+        bench.measure([bad], s, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--providers", "F.rms_nrom"], "unknown provider"),
+    (["--json", "/nonexistent/dir/x.json"], "no such directory"),
+    (["--threads", "100000"], "NUMBA_NUM_THREADS"),
+])
+def test_unusable_requests_exit_2_before_the_run(argv, message):
+    t0 = time.perf_counter()
+    rc, _, err = run_cli(["bench", "--quick", "--cases", "q_norm decode B=1"] + argv)
+    assert rc == 2 and message in err and time.perf_counter() - t0 < 5
+
+
 def test_missing_or_broken_vllm_is_reported_not_fatal(tmp_path):
     not_a_library = tmp_path / "_C_AVX2.abi3.so"
     not_a_library.write_text("not an ELF file")
@@ -284,8 +363,10 @@ def test_fidelity_rule():
     assert bench.fidelity_criterion("cpu", 7168) == (0 if x86 and cap in ("AVX2", "AVX512") else 1)
     assert bench.fidelity_criterion("cpu", 16385) == 1
     assert bench.fidelity_criterion("cuda", 7168) == 1
-    ok = {"residual_bitwise": True, "max_ulp": 0}
+    ok = {"residual_bitwise": True, "max_ulp": 0, "pct_bitwise": 100.0}
     assert bench.meets_fidelity(ok, "cpu", 7168)
+    if bench.fidelity_criterion("cpu", 7168) == 0:  # bitwise wants every bit: -0 is 0 ulp from +0
+        assert not bench.meets_fidelity(dict(ok, pct_bitwise=99.9), "cpu", 7168)
     assert not bench.meets_fidelity({"residual_bitwise": False, "max_ulp": 0}, "cuda", 7168)
     assert bench.meets_fidelity({"residual_bitwise": None, "max_ulp": 1}, "cuda", 7168)
     assert not bench.meets_fidelity({"residual_bitwise": None, "max_ulp": 2}, "cuda", 7168)

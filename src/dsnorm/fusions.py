@@ -504,8 +504,10 @@ def bench_cases(quick: bool = False, device: str = "cpu"):
     """The three fusions against their eager compositions, as callables with byte models.
 
     Returns a list of dicts: ``name``, ``shape`` (list of ints; for the MLA pair the two inputs'
-    widths added, see ``layout``), ``form`` (plain / fused), ``fused`` and ``baseline`` (zero-argument callables), ``bytes`` (DRAM bytes the fused call must move: inputs read once, outputs written
-    once), ``baseline_name``. Tensors are built once here.
+    widths added, see ``layout``), ``form`` (plain / fused), ``fused`` and ``baseline`` (zero-argument
+    callables), ``bytes`` (DRAM bytes the fused call must move: inputs read once, outputs written
+    once), ``baseline_name``, ``normed`` (indices of the outputs that are normalised values, held to
+    <= 1 ulp on a GPU; fp8 codes and scales are not). Tensors are built once here.
     """
     from dsnorm.autograd import fused_add_rms_norm, rms_norm
 
@@ -525,14 +527,14 @@ def bench_cases(quick: bool = False, device: str = "cpu"):
             name=f"fused_add_rms_norm_fp8 ue8m0 T={rows}", shape=[1, rows, d], form="fused",
             fused=lambda x=x, r=r: fused_add_rms_norm_fp8(x, r, w, scale_fmt="ue8m0"),
             baseline=lambda x=x, r=r: _quantised_fused(x, r, w),
-            baseline_name="act_quant_ref(fused_add_rms_norm)",
+            baseline_name="act_quant_ref(fused_add_rms_norm)", normed=(),
             bytes=rows * d * (2 * e + e + 1) + rows * (d // 128) * 4 + 4 * d,
         ))
         cases.append(dict(
             name=f"rms_norm_fp8 ue8m0 T={rows}", shape=[1, rows, d], form="plain",
             fused=lambda x=x: rms_norm_fp8(x, w, scale_fmt="ue8m0"),
             baseline=lambda x=x: act_quant_ref(rms_norm(x, w), 128, "ue8m0"),
-            baseline_name="act_quant_ref(rms_norm)",
+            baseline_name="act_quant_ref(rms_norm)", normed=(),
             bytes=rows * d * (e + 1) + rows * (d // 128) * 4 + 4 * d,
         ))
     for batch, seq in ([(1, 4096)] if quick else [(1, 4096), (4, 1024)]):
@@ -541,7 +543,7 @@ def bench_cases(quick: bool = False, device: str = "cpu"):
             name=f"final_norm last_only B={batch} T={seq}", shape=[batch, seq, d], form="fused",
             fused=lambda h=h, r=r: final_norm(h, r, w),
             baseline=lambda h=h, r=r: tuple(t[:, -1] for t in fused_add_rms_norm(h, r, w)),
-            baseline_name="fused_add_rms_norm(h)[:, -1]",
+            baseline_name="fused_add_rms_norm(h)[:, -1]", normed=(0,),
             bytes=batch * d * 2 * 4 + 4 * d,
         ))
     wq = (1 + 0.1 * torch.randn(1536, generator=gen)).to(device)
@@ -552,7 +554,7 @@ def bench_cases(quick: bool = False, device: str = "cpu"):
             name=f"mla_latent_norms B={batch}", shape=[batch, 1536 + 576], form="plain", layout="q [B,1536] + kv [B,512 of 576]",
             fused=lambda q=q, kv=kv: mla_latent_norms(q, kv, wq, wkv),
             baseline=lambda q=q, kv=kv: (rms_norm(q, wq), rms_norm(kv[..., :512], wkv)),
-            baseline_name="rms_norm x2",
+            baseline_name="rms_norm x2", normed=(0, 1),
             bytes=batch * (1536 + 512) * 2 * 2 + 4 * (1536 + 512),
         ))
     return cases
