@@ -321,3 +321,65 @@ def test_fused_outputs_do_not_fault_every_call(history):
                          timeout=300)
     assert out.returncode == 0, out.stderr
     assert float(out.stdout.strip().splitlines()[-1]) < 10
+
+
+# ---------------------------------------------------------------------------------------------
+# The MLA pair's lane (dsnorm.cpu_fusions.mla_lane): the core decode kernel twice, same bits as the
+# general path, and it steps aside for what that path exists for.
+
+
+@pytest.fixture
+def mla_lane_only(monkeypatch):
+    """The MLA op's general implementation fails loudly: what still succeeds took the lane."""
+    from dsnorm import fusions
+
+    def general(*args, **kwargs):
+        raise AssertionError("the general path ran")
+
+    monkeypatch.setattr(fusions, "_mla_impl", general)
+    monkeypatch.setattr(fusions, "_mla_op", general)
+
+
+def _mla_inputs(lead, dtype, seed=40):
+    return _data((*lead, 1536), dtype, seed), _data((*lead, 576), dtype, seed + 1), _weight(1536, seed + 2), \
+        _weight(512, seed + 3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("lead", [(1,), (1, 1), (3, 2)])
+def test_mla_lane_matches_the_two_norms(mla_lane_only, dtype, lead):
+    q, kv, wq, wkv = _mla_inputs(lead, dtype)
+    kv_before = kv.clone()
+    with torch.no_grad():
+        qn, kvn = dsnorm.mla_latent_norms(q, kv, wq, wkv)
+    assert qn.shape == q.shape and kvn.shape == (*lead, 512) and kvn.is_contiguous()
+    assert bits_equal(qn, rms_norm_ref(q, wq)) and bits_equal(kvn, rms_norm_ref(kv[..., :512], wkv))
+    assert torch.equal(kv, kv_before)
+
+
+@pytest.mark.parametrize("case", ["strided q", "bf16 weight", "fp64", "grad", "dispatch mode", "large"])
+def test_mla_lane_steps_aside(case):
+    q, kv, wq, wkv = _mla_inputs((2, 1), torch.bfloat16)
+    if case == "strided q":
+        q = _data((2, 1, 1600), torch.bfloat16, 50)[..., :1536]
+    elif case == "bf16 weight":
+        wq = wq.to(torch.bfloat16)
+    elif case == "fp64":
+        q, kv = q.double(), kv.double()
+    elif case == "large":
+        q, kv, wq, wkv = _mla_inputs((64,), torch.bfloat16)
+    want = (rms_norm_ref(q, wq), rms_norm_ref(kv[..., :512], wkv))
+    if case == "fp64":  # computed in fp64, dsnorm's one departure
+        want = (dsnorm.rms_norm(q, wq), dsnorm.rms_norm(kv[..., :512], wkv))
+    if case == "grad":
+        with pytest.raises(RuntimeError, match="inference-only"):
+            dsnorm.mla_latent_norms(q, kv, wq.requires_grad_(), wkv)
+        return
+    with torch.no_grad():
+        if case == "dispatch mode":
+            with _Recorder() as mode:
+                got = dsnorm.mla_latent_norms(q, kv, wq, wkv)
+            assert any("dsnorm.mla_latent_norms" in name for name in mode.ops)
+        else:
+            got = dsnorm.mla_latent_norms(q, kv, wq, wkv)
+    assert bits_equal(got[0], want[0]) and bits_equal(got[1], want[1])

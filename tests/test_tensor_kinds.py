@@ -187,3 +187,16 @@ def test_backward_reads_a_negated_or_zero_output_gradient(fused):
     for dy, plain in ((_negated(g), -g), (torch._efficientzerotensor(3, 64), torch.zeros(3, 64))):
         for got, want in zip(grads(dy), grads(plain)):
             assert bits_equal(got, want)
+
+
+def test_mla_pair_reads_negated_and_zero_inputs():
+    # The MLA pair's own lane (cpu_fusions.mla_lane) refuses what it cannot read as raw memory.
+    q, kv = _data((2, 1, 1536), 8), _data((2, 1, 576), 9)
+    wq, wkv = _weight(1536), _weight(512)
+    zero_kv = torch._efficientzerotensor(2, 1, 576, dtype=torch.bfloat16)
+    for args in ((q, _negated(kv), wq, wkv), (q, zero_kv, wq, wkv), (q, kv, _negated(wq), wkv),
+                 (q, kv, wq, torch._efficientzerotensor(512))):
+        plain = tuple(t.resolve_neg().clone() if t.is_neg() else (torch.zeros_like(t) if t._is_zerotensor() else t)
+                      for t in args)
+        got, want = dsnorm.mla_latent_norms(*args), dsnorm.mla_latent_norms(*plain)
+        assert bits_equal(got[0], want[0]) and bits_equal(got[1], want[1])

@@ -412,43 +412,69 @@ def _ue8m0_array(values, out):
         out[i] = _ue8m0(values[i])
 
 
-_MLA_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_TENSOR, _PARAMETER = _PLAIN_TYPES
+_F32 = torch.float32
+_STRIDED = torch.strided
+_INF = float("inf")
 
 
-def mla_decode(q_latent, kv_a, q_weight, kv_weight, eps):
-    """``(q_out, kv_out)`` for small contiguous CPU decode inputs with fp32 weights, or None.
+def mla_lane(q_latent, kv_a, q_weight, kv_weight, eps, cast):
+    """``(q_out, kv_out)`` of a decode-sized call that needs only the kernel, or None (then the
+    general, checked path runs).
 
-    Like :func:`dsnorm.cpu.lane`: it only recognises the common case (reading each attribute
-    once, where fusions._check_mla's full checks cost more than the two norms); anything else,
-    bad input included, returns None and takes the general, checked path. eps must be valid.
+    :func:`dsnorm.cpu.lane` for the MLA pair: plain CPU tensors of one dtype (bf16/fp16/fp32),
+    contiguous ``q_latent`` and ``kv_a`` (576 wide: its first ``kv_lora_rank`` columns are read in
+    place), fp32 weights, a valid eps, DeepSeek's cast, serial size; nothing taken while autograd
+    records, or torch.compile, functorch, a mode, tracing or the profiler is in effect, nor for a
+    negated view or a ZeroTensor. It only recognises: anything else, bad input included, returns
+    None. Each norm is the core decode kernel's entry point, called directly (the general path's
+    checks, weight handling and dispatch cost more than the two norms at a batch of 1).
     """
-    if not (type(q_latent) in _PLAIN_TYPES and type(kv_a) in _PLAIN_TYPES
-            and type(q_weight) in _PLAIN_TYPES and type(kv_weight) in _PLAIN_TYPES):
+    plain = (_TENSOR, _PARAMETER)
+    if (type(q_latent) not in plain or type(kv_a) not in plain or type(q_weight) not in plain
+            or type(kv_weight) not in plain):
+        return None
+    if cpu._is_grad_enabled() and (q_latent.requires_grad or kv_a.requires_grad or q_weight.requires_grad
+                                   or kv_weight.requires_grad):
+        return None
+    if not cpu.dispatch_free():
         return None
     dtype = q_latent.dtype
-    if dtype not in _MLA_DTYPES or kv_a.dtype is not dtype:
-        return None
-    if q_weight.dtype is not torch.float32 or kv_weight.dtype is not torch.float32:
+    code = cpu._DECODE_CODES.get(dtype)
+    if (code is None or kv_a.dtype is not dtype or q_weight.dtype is not _F32 or kv_weight.dtype is not _F32
+            or cast != "deepseek" or type(eps) is not float or not 0.0 < eps < _INF):
         return None
     if not (q_latent.is_cpu and kv_a.is_cpu and q_weight.is_cpu and kv_weight.is_cpu):
         return None
-    if not (q_latent.is_contiguous() and kv_a.is_contiguous() and q_weight.is_contiguous()
-            and kv_weight.is_contiguous()) or q_weight.dim() != 1 or kv_weight.dim() != 1:
+    if q_latent.layout is not _STRIDED or kv_a.layout is not _STRIDED:
         return None
-    q_shape, kv_shape = q_latent.shape, kv_a.shape
-    if len(q_shape) < 1 or len(kv_shape) != len(q_shape) or q_shape[:-1] != kv_shape[:-1]:
-        return None
-    nq, nkv, kv_width = q_shape[-1], kv_weight.shape[0], kv_shape[-1]
-    if nq == 0 or nkv == 0 or q_weight.shape[0] != nq or nkv > kv_width:
-        return None
-    rows = q_latent.numel() // nq
-    if rows == 0 or rows * max(nq, nkv) >= SERIAL_NUMEL:
+    try:  # free unless a tensor of another layout raises (a weight's): then the general path names it
+        if (q_latent.is_neg() or kv_a.is_neg() or q_weight.is_neg() or kv_weight.is_neg()
+                or q_latent._is_zerotensor() or kv_a._is_zerotensor() or q_weight._is_zerotensor()
+                or kv_weight._is_zerotensor()):
+            return None
+        if not (q_latent.is_contiguous() and kv_a.is_contiguous() and q_weight.is_contiguous()
+                and kv_weight.is_contiguous()) or q_weight.ndim != 1 or kv_weight.ndim != 1:
+            return None
+        q_shape, kv_shape = q_latent.shape, kv_a.shape
+        nq, nkv = q_weight.numel(), kv_weight.numel()
+        lead = len(q_shape) - 1
+        if lead < 0 or len(kv_shape) != lead + 1 or q_shape[-1] != nq:
+            return None
+        for i in range(lead):  # the leading shapes match (indexing a torch.Size is cheaper than slicing it)
+            if q_shape[i] != kv_shape[i]:
+                return None
+        kv_width = kv_shape[-1]
+        numel = q_latent.numel()
+        rows = numel // nq if nq else 0
+        if rows == 0 or nkv == 0 or nkv > kv_width or rows * max(nq, nkv) >= SERIAL_NUMEL:
+            return None
+        addrs = (q_latent.data_ptr(), kv_a.data_ptr(), q_weight.data_ptr(), kv_weight.data_ptr())
+    except RuntimeError:
         return None
     q_out = torch.empty_like(q_latent)
-    kv_out = torch.empty((*kv_shape[:-1], nkv), dtype=dtype)
-    _run(
-        _mla_serial, False, rows, _scratch(1, max(nq, nkv) + ACC_SLOTS, np.float32), DTYPE_CODES[dtype], eps,
-        nq, q_latent.data_ptr(), nq, q_weight.data_ptr(), q_out.data_ptr(),
-        nkv, kv_a.data_ptr(), kv_width, kv_weight.data_ptr(), kv_out.data_ptr(),
-    )
+    kv_out = torch.empty(*kv_shape[:-1], nkv, dtype=dtype)
+    entry = cpu._decode_entry or cpu._compile_decode()
+    entry(rows, nq, code, addrs[0], nq, 0, addrs[2], q_out.data_ptr(), 0, eps, False, False)
+    entry(rows, nkv, code, addrs[1], kv_width, 0, addrs[3], kv_out.data_ptr(), 0, eps, False, False)
     return q_out, kv_out

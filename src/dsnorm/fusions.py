@@ -437,11 +437,16 @@ def final_norm(
     return tuple(_final_op(h, residual, w, eps, lengths))
 
 
-def _mla_decode():
-    # Imported on first use: importing dsnorm loads no numba.
-    from dsnorm.cpu_fusions import mla_decode
+_mla_lane = None
 
-    return mla_decode
+
+def _load_mla_lane():
+    # Imported on first use: importing dsnorm loads no numba.
+    global _mla_lane
+    from dsnorm.cpu_fusions import mla_lane
+
+    _mla_lane = mla_lane
+    return mla_lane
 
 
 def mla_latent_norms(
@@ -473,6 +478,9 @@ def mla_latent_norms(
         ``(q_normed, kv_normed)``: new contiguous tensors ``[..., q_lora_rank]`` and
         ``[..., kv_lora_rank]`` in the inputs' dtype.
     """
+    out = (_mla_lane or _load_mla_lane())(q_latent, kv_a, q_weight, kv_weight, eps, cast)
+    if out is not None:  # a decode call on the CPU that needs only the kernel
+        return out
     wq = _compute_weight(q_weight, q_latent, "q_weight", "q_latent")
     wkv = _compute_weight(kv_weight, q_latent, "kv_weight", "q_latent")
     if not isinstance(kv_a, torch.Tensor):
@@ -480,10 +488,6 @@ def mla_latent_norms(
     _refuse_options("mla_latent_norms", cast)
     _refuse_grad("mla_latent_norms", q_latent, kv_a, wq, wkv)
     if _direct(q_latent, kv_a, wq, wkv):
-        ops.check_options(eps, "deepseek")
-        out = _mla_decode()(q_latent, kv_a, wq, wkv, float(eps))
-        if out is not None:
-            return out
         return _mla_impl(q_latent, kv_a, wq, wkv, eps)
     return tuple(_mla_op(q_latent, kv_a, wq, wkv, eps))
 
