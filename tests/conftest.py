@@ -52,12 +52,14 @@ def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(((ia == ib) | nan_a).all())
 
 
-def assert_y_close(y: torch.Tensor, y_ref: torch.Tensor, width: int) -> None:
-    """The core fidelity criterion for y: bitwise where reachable, else 1 ulp / 4e-6 relative."""
+def assert_y_close(y: torch.Tensor, y_ref: torch.Tensor, width: int, cast: str = "deepseek") -> None:
+    """The core fidelity criterion for y: bitwise where reachable, else 1 ulp / 4e-6 relative (2 ulps
+    for cast="hf", which rounds x̂ to the dtype before the weight multiply: a 1-ulp x̂ from another
+    sum order becomes up to 2 ulps of y)."""
     if bitwise_expected(width):
         assert bits_equal(y, y_ref), f"max ulp {max_ulp(y, y_ref)} at width {width}"
     elif y.dtype in (torch.bfloat16, torch.float16):
-        assert max_ulp(y, y_ref) <= 1
+        assert max_ulp(y, y_ref) <= (2 if cast == "hf" else 1)
     else:
         torch.testing.assert_close(y, y_ref, rtol=4e-6, atol=0)
 

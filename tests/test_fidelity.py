@@ -85,11 +85,11 @@ def test_non_unit_inner_stride_and_uncollapsible_rows():
 @pytest.mark.parametrize("rounding", ["fp32_sum", "round_first"])
 def test_options_match_their_eager_formulas(dtype, cast, rounding):
     x, r, w = _data((9, 769), dtype, 8), _data((9, 769), dtype, 9), _weight(769)
-    assert_y_close(dsnorm.rms_norm(x, w, cast=cast), rms_norm_ref(x, w, cast=cast), 769)
+    assert_y_close(dsnorm.rms_norm(x, w, cast=cast), rms_norm_ref(x, w, cast=cast), 769, cast)
     y, res = dsnorm.fused_add_rms_norm(x, r, w, cast=cast, residual_rounding=rounding)
     y_ref, res_ref = fused_add_rms_norm_ref(x, r, w, cast=cast, residual_rounding=rounding)
     assert bits_equal(res, res_ref)
-    assert_y_close(y, y_ref, 769)
+    assert_y_close(y, y_ref, 769, cast)
 
 
 def test_round_first_and_hf_differ_from_default():

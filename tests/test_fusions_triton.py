@@ -289,6 +289,20 @@ def test_final_norm_lengths(dtype):
     assert_close_y(y, y_ref[rows, lengths - 1])
 
 
+def test_final_norm_width_one_with_any_last_stride():
+    # h [B, T, 1] whose last-dim stride is not 1 (only column 0 is read): it runs, not an assertion.
+    gen = torch.Generator().manual_seed(5)
+    h = randn((1, 3, 2), torch.bfloat16, gen).permute(2, 1, 0)  # [2, 3, 1], strides (1, 2, 6)
+    r = randn((2, 3, 1), torch.bfloat16, gen)
+    assert h.shape == (2, 3, 1) and h.stride(2) != 1
+    w = randn((1,), torch.float32, gen)
+    y, ro = torch.empty(2, 1, dtype=torch.bfloat16), torch.empty(2, 1, dtype=torch.bfloat16)
+    tfusions.final_norm_lengths(h, r, w, EPS, torch.tensor([3, 2]), y, ro)
+    y_ref, ro_ref = fused_add_rms_norm_ref(h, r, w, EPS)
+    assert_bitwise(ro, ro_ref[torch.arange(2), torch.tensor([2, 1])])
+    assert_close_y(y, y_ref[torch.arange(2), torch.tensor([2, 1])])
+
+
 def test_final_norm_public_api_on_the_triton_launchers(monkeypatch):
     from dsnorm import ops
 

@@ -307,6 +307,23 @@ def test_backward_ops_check_their_arguments(args, exc, match):
         torch.ops.dsnorm.fused_add_rms_norm_bwd(x, x, x.clone(), w, r, x[:1], "fp32_sum")
 
 
+def test_backward_ops_read_a_strided_rstd():
+    # The kernels read rstd as one value per row; a strided view of the same values must give the
+    # same gradients (it was read as if contiguous: other rows' values).
+    x, dy, w = _rand((4, 64), torch.float32, 21), _rand((4, 64), torch.float32, 22), torch.rand(64) + 0.5
+    r = _rand((4, 64), torch.float32, 23)
+    y, rstd = torch.ops.dsnorm.rms_norm_fwd(x, w, 1e-6, "deepseek")
+    strided = torch.stack((rstd, torch.full_like(rstd, 7.0)), 1)[:, 0]
+    assert strided.stride() == (2,) and torch.equal(strided, rstd)
+    for want, got in zip(torch.ops.dsnorm.rms_norm_bwd(dy, x, w, rstd), torch.ops.dsnorm.rms_norm_bwd(dy, x, w, strided)):
+        assert torch.equal(want, got)
+    _, _, rstd = torch.ops.dsnorm.fused_add_rms_norm_fwd(x, r, w, 1e-6, "deepseek", "fp32_sum", None)
+    strided = torch.stack((rstd, torch.full_like(rstd, 7.0)), 1)[:, 0]
+    want = torch.ops.dsnorm.fused_add_rms_norm_bwd(dy, x, r, w, rstd, None, "fp32_sum")
+    got = torch.ops.dsnorm.fused_add_rms_norm_bwd(dy, x, r, w, strided, None, "fp32_sum")
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+
+
 def test_option_types_are_checked_by_name():
     x = _rand((2, 8))
     with pytest.raises(ValueError, match="cast must be one of"):

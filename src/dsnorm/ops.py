@@ -422,6 +422,7 @@ def check_backward(dy, x, weight, rstd, residual=None, dresidual_out=None) -> No
 
 def rms_norm_bwd(dy, x, weight, rstd):
     check_backward(dy, x, weight, rstd)
+    rstd = rstd.contiguous()  # the kernels read it as one value per row, unit stride
     x = readable_rows(x)
     dx = _launcher(x).empty_output(x, x.dtype)
     dweight = torch.empty_like(weight)
@@ -431,6 +432,7 @@ def rms_norm_bwd(dy, x, weight, rstd):
 
 def fused_add_rms_norm_bwd(dy, x, residual, weight, rstd, dresidual_out, residual_rounding):
     check_backward(dy, x, weight, rstd, residual, dresidual_out)
+    rstd = rstd.contiguous()  # the kernels read it as one value per row, unit stride
     check_options(1.0, "deepseek", residual_rounding)
     x = readable_rows(x)
     residual = readable_rows(residual)

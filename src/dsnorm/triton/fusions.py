@@ -190,7 +190,8 @@ def rms_norm_fp8(x, residual, weight, eps, ue8m0, block, y, residual_out, q, sca
         return
     grid, args, meta = rms_norm_fp8_params(_rows(x), _rows(residual), weight, eps, ue8m0, block, _rows(y),
                                            _rows(residual_out), _rows(q), _rows(scales))
-    rms_norm_fp8_kernel[grid](*args, **meta)
+    with launch.on_device(x):
+        rms_norm_fp8_kernel[grid](*args, **meta)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -249,7 +250,8 @@ def final_norm_kernel(
 
 def final_norm_params(h, residual, weight, eps, lengths, y, residual_out):
     batch, _, n = h.shape
-    assert h.stride(2) == 1 and residual.stride(2) == 1 and lengths.dtype == torch.int64
+    # Unit stride along the row (a width-1 row has none to speak of: only column 0 is read).
+    assert (n == 1 or (h.stride(2) == 1 and residual.stride(2) == 1)) and lengths.dtype == torch.int64
     block, warps, single = launch.config(n, h.dtype)
     args = (h, residual, lengths, weight, y, residual_out, h.stride(0), h.stride(1), residual.stride(0),
             residual.stride(1), n, float(eps))
@@ -262,7 +264,8 @@ def final_norm_lengths(h, residual, weight, eps, lengths, y, residual_out) -> No
     if h.shape[0] == 0:
         return
     grid, args, meta = final_norm_params(h, residual, weight, eps, lengths, y, residual_out)
-    final_norm_kernel[grid](*args, **meta)
+    with launch.on_device(h):
+        final_norm_kernel[grid](*args, **meta)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -309,4 +312,5 @@ def mla_latent_norms(q_latent, kv_a, q_weight, kv_weight, eps, q_out, kv_out) ->
         return
     kv = kv_a[..., : kv_weight.shape[0]]
     grid, args, meta = mla_params(_rows(q_latent), _rows(kv), q_weight, kv_weight, eps, _rows(q_out), _rows(kv_out))
-    mla_latent_norms_kernel[grid](*args, **meta)
+    with launch.on_device(q_latent):
+        mla_latent_norms_kernel[grid](*args, **meta)

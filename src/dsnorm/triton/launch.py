@@ -31,6 +31,8 @@ on how many rows share the launch.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -55,6 +57,18 @@ BWD_PROGRAM_THREADS = 1 << 18
 # hold twice the registers and were not measured.
 BWD_PREFETCH = True
 BWD_PREFETCH_MIN_BLOCK = 4096
+
+def on_device(t: torch.Tensor):
+    """A context that makes ``t``'s CUDA device current for a launch. Triton launches on the
+    current device and its current stream, not the tensors': a tensor on ``cuda:1`` while
+    ``cuda:0`` is current (``device_map="auto"``, pipeline stages) would be read from the wrong
+    GPU and out of order with its own stream. A no-op (no CUDA call beyond the index check) in the
+    usual case, and for CPU tensors (the interpreter)."""
+    index = t.device.index
+    if t.device.type != "cuda" or index is None or index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(index)
+
 
 def _compute_dtype(dtype: torch.dtype):
     return tl.float64 if dtype == torch.float64 else tl.float32
@@ -100,8 +114,9 @@ def forward_params(x, residual, weight, eps, cast_hf, round_first, y, residual_o
     """``(grid, args, meta)`` of the forward launch (also what the ahead-of-time compile test
     compiles); None-tensors are replaced by valid unused pointers, their strides by 0."""
     rows, n = x.shape
-    assert x.stride(1) == 1 and y.stride(1) == 1 and weight.is_contiguous()
-    assert residual_out is None or residual is not None
+    # Unit stride along the row (a width-1 row has no stride to speak of: only column 0 is read).
+    assert n == 1 or (x.stride(1) == 1 and y.stride(1) == 1)
+    assert weight.is_contiguous() and (residual_out is None or residual is not None)
     block, warps, single = config(n, x.dtype)
     rows_per_prog = -(-rows // FWD_MAX_PROGRAMS)
     grid = (-(-rows // rows_per_prog),)
@@ -155,7 +170,8 @@ def forward_2d(x, residual, weight, eps, cast_hf, round_first, y, residual_out, 
     if rows == 0 or n == 0:
         return
     grid, args, meta = forward_params(x, residual, weight, eps, cast_hf, round_first, y, residual_out, rstd)
-    kernels.rms_norm_fwd_kernel[grid](*args, **meta)
+    with on_device(x):
+        kernels.rms_norm_fwd_kernel[grid](*args, **meta)
 
 
 def backward_params(dy, x, residual, weight, rstd, dresidual_out, round_first, dx, dresidual, partials):
@@ -218,7 +234,8 @@ def backward_2d(dy, x, residual, weight, rstd, dresidual_out, round_first, dx, d
     partials = backward_partials(x)
     grid, args, meta = backward_params(dy, x, residual, weight, rstd, dresidual_out, round_first, dx, dresidual,
                                        partials)
-    kernels.rms_norm_bwd_kernel[grid](*args, **meta)
+    with on_device(x):
+        kernels.rms_norm_bwd_kernel[grid](*args, **meta)
     if dweight.dtype == partials.dtype:
         torch.sum(partials, dim=0, out=dweight)
     else:
