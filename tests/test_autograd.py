@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import dsnorm
-from dsnorm.ref import rms_norm_backward_ref
+from dsnorm.ref import rms_norm_backward_ref, rms_norm_ref
 
 from conftest import bits_equal
 
@@ -201,3 +201,27 @@ def test_double_backward_is_refused_by_name():
     # Without create_graph nothing changes.
     (gx,) = torch.autograd.grad(dsnorm.rms_norm(x, w).pow(2).sum(), x)
     assert gx.shape == x.shape
+
+
+def test_forward_mode_ad_is_refused_by_name_not_dropped():
+    # dsnorm has no jvp formula: a dual input used to lose its tangent silently (the lane and the
+    # ops ignore it). It is refused by name; inside a dual level, plain inputs still work.
+    import torch.autograd.forward_ad as fwAD
+
+    g = torch.Generator().manual_seed(3)
+    x, t = torch.randn(3, 64, generator=g), torch.randn(3, 64, generator=g)
+    r, w = torch.randn(3, 64, generator=g), torch.rand(64, generator=g) + 0.5
+    m = dsnorm.RMSNorm(64)
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad), fwAD.dual_level():
+            d = fwAD.make_dual(x, t)
+            for call in (lambda: dsnorm.rms_norm(d, w), lambda: dsnorm.fused_add_rms_norm(d, r, w),
+                         lambda: m(d), lambda: m(x, d), lambda: dsnorm.rms_norm_fp8(d, w),
+                         lambda: dsnorm.mla_latent_norms(d, torch.randn(3, 80), w, w[:32])):
+                with pytest.raises(NotImplementedError, match="no forward-mode AD"):
+                    call()
+            xi, ri = x.clone(), r.clone()
+            with pytest.raises(NotImplementedError, match="fused_add_rms_norm_ has no forward-mode AD"):
+                dsnorm.fused_add_rms_norm_(fwAD.make_dual(xi, t), ri, w)
+            assert torch.equal(xi, x) and torch.equal(ri, r)
+            assert torch.equal(dsnorm.rms_norm(x, w), rms_norm_ref(x, w))

@@ -64,6 +64,22 @@ def test_compile_fullgraph_module_matches_eager():
     assert bits_equal(xs.grad, xe.grad)
 
 
+def test_compile_fullgraph_of_the_inplace_form():
+    # The in-place form's eager-only probe (a negated view) must not break a fullgraph compile.
+    torch._dynamo.reset()
+    w = torch.rand(512) + 0.5
+
+    def step(x, r):
+        dsnorm.fused_add_rms_norm_(x, r, w)
+        return x * 1, r * 1
+
+    x, r = _rand((3, 512), seed=30), _rand((3, 512), seed=31)
+    with torch.no_grad():
+        want = step(x.clone(), r.clone())
+        got = torch.compile(step, fullgraph=True)(x.clone(), r.clone())
+    assert all(bits_equal(a, b) for a, b in zip(got, want))
+
+
 def test_module_is_a_drop_in_for_the_reference():
     ref = RMSNormRef(1536)
     with torch.no_grad():

@@ -160,6 +160,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = EPS, *, cast: s
         if y is not None:
             return y
     w = _compute_weight(weight, x)
+    ops.refuse_forward_ad("dsnorm.rms_norm", x, w)
     if not _needs_grad(x, w):
         if _direct(x, w):
             return ops.rms_norm(x, w, eps, cast)
@@ -206,6 +207,7 @@ def fused_add_rms_norm(
     w = _compute_weight(weight, x)
     if not isinstance(residual, torch.Tensor):
         raise TypeError(f"residual must be a torch.Tensor, got {type(residual).__name__}")
+    ops.refuse_forward_ad("dsnorm.fused_add_rms_norm", x, residual, w)
     if not _needs_grad(x, residual, w):
         if _direct(x, residual, w):
             return ops.fused_add_rms_norm(x, residual, w, eps, cast, residual_rounding, residual_dtype)
@@ -253,13 +255,16 @@ def fused_add_rms_norm_(
     w = _compute_weight(weight, x)
     if not isinstance(residual, torch.Tensor):
         raise TypeError(f"residual must be a torch.Tensor, got {type(residual).__name__}")
+    ops.refuse_forward_ad("dsnorm.fused_add_rms_norm_", x, residual, w)
     if _needs_grad(x, residual, w):
         raise RuntimeError(
             "fused_add_rms_norm_ writes its inputs and has no gradient; use fused_add_rms_norm for "
             "training or call it under torch.no_grad()"
         )
     for name, t in (("x", x), ("residual", residual)):
-        if t.is_neg():  # the dispatcher has no way to write a mutating op's result through it
+        # The dispatcher has no way to write a mutating op's result through a negated view. (An
+        # eager-only probe: dynamo cannot trace it, and compiled graphs functionalise the write.)
+        if not ops._is_compiling() and t.is_neg():
             raise ValueError(f"{name} is a lazily negated view (is_neg(), e.g. z.conj().imag) and cannot "
                              f"be written in place; pass {name}.resolve_neg(), or use fused_add_rms_norm")
     if residual_dtype is not None:

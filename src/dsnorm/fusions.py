@@ -290,6 +290,7 @@ def _refuse_options(what: str, cast="deepseek", residual_rounding="fp32_sum", re
 
 
 def _refuse_grad(what: str, *tensors) -> None:
+    ops.refuse_forward_ad(what, *tensors)
     if _needs_grad(*tensors):
         raise RuntimeError(
             f"{what} is an inference-only path (forward only, no gradient): call it under torch.no_grad() / "

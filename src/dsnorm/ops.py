@@ -272,19 +272,33 @@ _dispatch_modes = torch._C._len_torch_dispatch_stack
 _function_modes = torch._C._is_torch_function_mode_enabled
 _tracing_state = torch._C._get_tracing_state
 _profiler_enabled = torch._C._autograd._profiler_enabled
+_forward_ad = torch.autograd.forward_ad  # its _current_level is -1 unless a dual level is open
 
 
 def dispatch_free() -> bool:
     """True when nothing observes or transforms op calls: no torch.compile/export tracing (checked
     first: nothing after it needs tracing), functorch transform, torch dispatch or function mode,
     torch.jit trace (which records ops, not what an implementation does) or torch.profiler (which
-    records ops at the dispatcher). Then calling an op's implementation directly is
-    indistinguishable from calling the op. The probes are torch's C functions without their Python
+    records ops at the dispatcher) and no forward-mode AD level (a dual input's tangent would be
+    dropped). Then calling an op's implementation directly is indistinguishable from calling the op. The probes are torch's C functions without their Python
     wrappers: this runs on every decode call."""
     return not (
         _is_compiling() or _functorch_level() is not None or _dispatch_modes() or _function_modes()
-        or _tracing_state() or _profiler_enabled()
+        or _tracing_state() or _profiler_enabled() or _forward_ad._current_level >= 0
     )
+
+
+def refuse_forward_ad(what: str, *tensors) -> None:
+    """Forward-mode AD (``torch.autograd.forward_ad``) has no formula in dsnorm: an input carrying a
+    tangent is refused by name (the ops would drop it silently). Free when no dual level is open."""
+    if _forward_ad._current_level < 0:
+        return
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and _forward_ad.unpack_dual(t).tangent is not None:
+            raise NotImplementedError(
+                f"{what} has no forward-mode AD (jvp) formula: an input is a dual tensor "
+                "(torch.autograd.forward_ad.make_dual); use reverse mode (backward, torch.func.vjp) instead"
+            )
 
 
 def _load_lane():
