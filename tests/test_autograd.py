@@ -189,18 +189,45 @@ def test_profiler_sees_the_ops():
 
 
 def test_double_backward_is_refused_by_name():
-    # The kernels' backward is not differentiable: create_graph=True gets a clear error rather than a
+    # The kernels' backward is not differentiable: create_graph=True (torch.func.grad's mode) gives
+    # the first-order gradients, and a second derivative through them a clear error rather than a
     # second-order term that is wrong or silently dropped.
     x = _rand((3, 64)).requires_grad_(True)
     r = _rand((3, 64), seed=1).requires_grad_(True)
     w = torch.ones(64, dtype=torch.float64, requires_grad=True)
-    with pytest.raises(RuntimeError, match="rms_norm: double backward is not supported"):
-        torch.autograd.grad(dsnorm.rms_norm(x, w).pow(2).sum(), x, create_graph=True)
-    with pytest.raises(RuntimeError, match="fused_add_rms_norm: double backward is not supported"):
-        torch.autograd.grad(dsnorm.fused_add_rms_norm(x, r, w)[0].pow(2).sum(), x, create_graph=True)
-    # Without create_graph nothing changes.
-    (gx,) = torch.autograd.grad(dsnorm.rms_norm(x, w).pow(2).sum(), x)
-    assert gx.shape == x.shape
+    (gx,) = torch.autograd.grad(dsnorm.rms_norm(x, w).pow(2).sum(), x, create_graph=True)
+    (want,) = torch.autograd.grad(dsnorm.rms_norm(x, w).pow(2).sum(), x)
+    assert torch.equal(gx, want)
+    with pytest.raises(RuntimeError, match="dsnorm.rms_norm has no second derivative"):
+        gx.sum().backward()
+    gx, gr = torch.autograd.grad(dsnorm.fused_add_rms_norm(x, r, w)[0].pow(2).sum(), (x, r), create_graph=True)
+    with pytest.raises(RuntimeError, match="dsnorm.fused_add_rms_norm has no second derivative"):
+        gr.sum().backward()
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop")  # functorch loops over the batch for custom ops
+def test_torch_func_transforms():
+    # vmap (through the ops), grad and jacrev of the functions and of the module (whose weight is a
+    # Parameter, so the autograd Function is always in the path).
+    from torch.func import functional_call, grad, jacrev, vmap
+
+    x, r = _rand((4, 3, 32), seed=40), _rand((4, 3, 32), seed=41)
+    m = dsnorm.RMSNorm(32)
+    with torch.no_grad():
+        m.weight.copy_(torch.rand(32, dtype=torch.float64) + 0.5)
+    ref = dsnorm.RMSNormRef(32).double()
+    ref.load_state_dict(m.state_dict())
+    assert torch.equal(vmap(m)(x), m(x).detach())
+    y, res = vmap(m)(x, r)
+    assert torch.equal(y, m(x, r)[0].detach()) and torch.equal(res, m(x, r)[1].detach())
+    params = {"weight": m.weight.detach()}
+    loss = lambda p, t: functional_call(m, p, (t,)).pow(2).sum()  # noqa: E731
+    loss_ref = lambda p, t: functional_call(ref, p, (t,)).pow(2).sum()  # noqa: E731
+    got, want = grad(loss)(params, x[0]), grad(loss_ref)(params, x[0])
+    torch.testing.assert_close(got["weight"], want["weight"].float(), rtol=1e-6, atol=0)  # fp32 gain: fp32 grad
+    # jacrev (vmap over vjp) against torch.autograd.functional's row-by-row Jacobian of the same fp64 norm
+    norm = lambda t: dsnorm.rms_norm(t, m.weight.detach())  # noqa: E731
+    assert torch.equal(jacrev(norm)(x[0, 0]), torch.autograd.functional.jacobian(norm, x[0, 0]))
 
 
 def test_forward_mode_ad_is_refused_by_name_not_dropped():

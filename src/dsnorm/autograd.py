@@ -30,57 +30,90 @@ _bwd = torch.ops.dsnorm.rms_norm_bwd
 _fused_bwd = torch.ops.dsnorm.fused_add_rms_norm_bwd
 
 
-def _refuse_double_backward(what: str) -> None:
-    # The kernels' backward has no derivative of its own: under create_graph=True (grad mode on in
-    # the backward) a second-order term through the norm would be wrong or silently dropped.
-    if torch.is_grad_enabled():
-        raise RuntimeError(
-            f"dsnorm.{what}: double backward is not supported (the backward ran with create_graph=True); "
-            "use dsnorm.RMSNormRef (the eager reference) where second derivatives are needed"
-        )
+def _first_order_only(what: str, grads: tuple, incoming: tuple) -> tuple:
+    """The backward's gradients, made to refuse differentiation by name.
+
+    The kernels' backward has no derivative of its own. Under ``create_graph=True`` (what
+    ``torch.func.grad`` always uses) the first-order gradients are returned as usual, but a second
+    derivative through them raises (``torch.autograd.function.once_differentiable``'s mechanism,
+    with a message that says which op): never a second-order term that is wrong or dropped.
+    """
+    # Nothing to fence unless the backward itself is being recorded (``incoming``: the output
+    # gradients it received; under torch.func.grad they are plain at this level).
+    if not torch.is_grad_enabled() or not any(isinstance(g, torch.Tensor) and g.requires_grad for g in incoming):
+        return grads
+    live = [i for i, g in enumerate(grads) if g is not None]
+    err = torch._C._functions.DelayedError(
+        f"dsnorm.{what} has no second derivative (double backward through its gradients); use "
+        "dsnorm.RMSNormRef (the eager reference) where second derivatives are needed", len(live))
+    detached = [grads[i].detach() for i in live]
+    for g in detached:
+        g.requires_grad = True  # the attribute, as once_differentiable does (functorch refuses requires_grad_())
+    fenced = err(*detached)
+    fenced = fenced if isinstance(fenced, tuple) else (fenced,)
+    out = list(grads)
+    for i, g in zip(live, fenced):
+        out[i] = g
+    return tuple(out)
 
 
 class RMSNormFunction(torch.autograd.Function):
-    """``rms_norm`` on 2-D ``[rows, n]`` input; weight in the compute dtype."""
+    """``rms_norm`` on 2-D ``[rows, n]`` input; weight in the compute dtype. Returns ``(y, rstd)``
+    (``rstd`` not differentiable). New-style (forward without ctx, ``setup_context``) so that
+    ``torch.func`` transforms work: vmap through the ops (``generate_vmap_rule``), grad, jacrev."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, x, weight, eps, cast):
-        y, rstd = (ops.rms_norm_fwd if _direct(x, weight) else _fwd)(x, weight, eps, cast)
-        ctx.save_for_backward(x, weight, rstd)
-        return y
+    def forward(x, weight, eps, cast):
+        return (ops.rms_norm_fwd if _direct(x, weight) else _fwd)(x, weight, eps, cast)
 
     @staticmethod
-    def backward(ctx, dy):
-        _refuse_double_backward("rms_norm")
+    def setup_context(ctx, inputs, output):
+        x, weight, _, _ = inputs
+        ctx.save_for_backward(x, weight, output[1])
+        ctx.mark_non_differentiable(output[1])
+
+    @staticmethod
+    def backward(ctx, dy_in, _drstd):
         x, weight, rstd = ctx.saved_tensors
-        dy = dy.contiguous()
-        dx, dweight = (ops.rms_norm_bwd if _direct(dy, x, weight, rstd) else _bwd)(dy, x, weight, rstd)
-        return dx, dweight, None, None
+        with torch.no_grad():
+            dy = dy_in.contiguous()
+            dx, dweight = (ops.rms_norm_bwd if _direct(dy, x, weight, rstd) else _bwd)(dy, x, weight, rstd)
+        return (*_first_order_only("rms_norm", (dx, dweight), (dy_in,)), None, None)
 
 
 class FusedAddRMSNormFunction(torch.autograd.Function):
-    """``fused_add_rms_norm`` on 2-D ``[rows, n]`` inputs; weight in the compute dtype."""
+    """``fused_add_rms_norm`` on 2-D ``[rows, n]`` inputs; weight in the compute dtype. Returns
+    ``(y, residual_out, rstd)`` (``rstd`` not differentiable); new-style, as RMSNormFunction."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, x, residual, weight, eps, cast, residual_rounding, residual_dtype):
+    def forward(x, residual, weight, eps, cast, residual_rounding, residual_dtype):
         fwd = ops.fused_add_rms_norm_fwd if _direct(x, residual, weight) else _fused_fwd
-        y, residual_out, rstd = fwd(x, residual, weight, eps, cast, residual_rounding, residual_dtype)
-        ctx.save_for_backward(x, residual, weight, rstd)
-        ctx.residual_rounding = residual_rounding
-        return y, residual_out
+        return fwd(x, residual, weight, eps, cast, residual_rounding, residual_dtype)
 
     @staticmethod
-    def backward(ctx, dy, dresidual_out):
-        _refuse_double_backward("fused_add_rms_norm")
+    def setup_context(ctx, inputs, output):
+        x, residual, weight, _, _, residual_rounding, _ = inputs
+        ctx.save_for_backward(x, residual, weight, output[2])
+        ctx.mark_non_differentiable(output[2])
+        ctx.residual_rounding = residual_rounding
+
+    @staticmethod
+    def backward(ctx, dy, dresidual_out, _drstd):
         x, residual, weight, rstd = ctx.saved_tensors
-        if dy is None:
-            dy = torch.zeros_like(x)
-        dy = dy.contiguous()
-        dro = None if dresidual_out is None else dresidual_out.contiguous()
-        bwd = ops.fused_add_rms_norm_bwd if _direct(dy, x, residual, weight, rstd, *(() if dro is None else (dro,))) \
-            else _fused_bwd
-        dx, dresidual, dweight = bwd(dy, x, residual, weight, rstd, dro, ctx.residual_rounding)
-        return dx, dresidual, dweight, None, None, None, None
+        incoming = (dy, dresidual_out)
+        with torch.no_grad():
+            if dy is None:
+                dy = torch.zeros_like(x)
+            dy = dy.contiguous()
+            dro = None if dresidual_out is None else dresidual_out.contiguous()
+            direct = _direct(dy, x, residual, weight, rstd, *(() if dro is None else (dro,)))
+            dx, dresidual, dweight = (ops.fused_add_rms_norm_bwd if direct else _fused_bwd)(
+                dy, x, residual, weight, rstd, dro, ctx.residual_rounding)
+        return (*_first_order_only("fused_add_rms_norm", (dx, dresidual, dweight), incoming), None, None, None, None)
 
 
 _PLAIN_TYPES = ops.PLAIN_TYPES
@@ -165,7 +198,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = EPS, *, cast: s
         if _direct(x, w):
             return ops.rms_norm(x, w, eps, cast)
         return _infer(x, w, eps, cast)
-    y = RMSNormFunction.apply(_flat(x, "x"), w, eps, cast)
+    y = RMSNormFunction.apply(_flat(x, "x"), w, eps, cast)[0]
     return y if y.shape == x.shape else y.view(x.shape)
 
 
@@ -213,7 +246,7 @@ def fused_add_rms_norm(
             return ops.fused_add_rms_norm(x, residual, w, eps, cast, residual_rounding, residual_dtype)
         return _fused_infer(x, residual, w, eps, cast, residual_rounding, residual_dtype)
     ops.check_residual(residual, x, residual_dtype)
-    y, residual_out = FusedAddRMSNormFunction.apply(
+    y, residual_out, _ = FusedAddRMSNormFunction.apply(
         _flat(x, "x"), _flat(residual, "residual"), w, eps, cast, residual_rounding, residual_dtype
     )
     if y.shape == x.shape:
