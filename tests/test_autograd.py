@@ -252,3 +252,30 @@ def test_forward_mode_ad_is_refused_by_name_not_dropped():
                 dsnorm.fused_add_rms_norm_(fwAD.make_dual(xi, t), ri, w)
             assert torch.equal(xi, x) and torch.equal(ri, r)
             assert torch.equal(dsnorm.rms_norm(x, w), rms_norm_ref(x, w))
+
+
+def test_jit_trace_records_a_serialisable_op_in_grad_mode():
+    # The reference class traces under torch.jit.trace; so must the drop-in, in grad mode (jit.trace
+    # re-runs the model under no_grad to check the graph) and through torch.jit.save / load.
+    import io
+
+    g = torch.Generator().manual_seed(8)
+    m = dsnorm.RMSNorm(129)
+    with torch.no_grad():
+        m.weight.copy_(torch.rand(129, generator=g) + 0.5)
+    model = torch.nn.Sequential(torch.nn.Linear(129, 129), m)
+    x, r = torch.randn(3, 129, generator=g), torch.randn(3, 129, generator=g)
+    traced = torch.jit.trace(model, (x,))
+    assert "dsnorm::rms_norm_fwd" in str(traced.inlined_graph)
+    assert torch.equal(traced(x), model(x))
+    xs, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
+    traced(xs).sum().backward()
+    w_traced, m.weight.grad = m.weight.grad.clone(), None
+    model(xe).sum().backward()
+    assert torch.equal(xs.grad, xe.grad) and torch.equal(w_traced, m.weight.grad)
+    buf = io.BytesIO()
+    torch.jit.save(traced, buf)
+    buf.seek(0)
+    assert torch.equal(torch.jit.load(buf)(x), model(x))
+    fused = torch.jit.trace(m, (x, r))
+    assert all(torch.equal(a, b) for a, b in zip(fused(x, r), m(x, r)))

@@ -116,6 +116,44 @@ class FusedAddRMSNormFunction(torch.autograd.Function):
         return (*_first_order_only("fused_add_rms_norm", (dx, dresidual, dweight), incoming), None, None, None, None)
 
 
+# torch.jit.trace: the forward ops carry their own autograd formula (below), and while tracing the
+# functions call them whether or not a gradient is needed. The Functions above would record a
+# Python op (not serialisable by torch.jit.save) in grad mode and the plain op under no_grad, where
+# jit.trace's check re-runs the model: "Graphs differed across invocations".
+_jit_tracing = torch._C._get_tracing_state
+
+
+def _fwd_setup(ctx, inputs, output):
+    x, weight, _, _ = inputs
+    ctx.save_for_backward(x, weight, output[1])
+    ctx.mark_non_differentiable(output[1])
+
+
+def _fwd_backward(ctx, dy, _drstd):
+    x, weight, rstd = ctx.saved_tensors
+    dx, dweight = _bwd(dy.contiguous(), x, weight, rstd)
+    return dx, dweight, None, None
+
+
+def _fused_fwd_setup(ctx, inputs, output):
+    x, residual, weight, _, _, residual_rounding, _ = inputs
+    ctx.save_for_backward(x, residual, weight, output[2])
+    ctx.mark_non_differentiable(output[2])
+    ctx.residual_rounding = residual_rounding
+
+
+def _fused_fwd_backward(ctx, dy, dresidual_out, _drstd):
+    x, residual, weight, rstd = ctx.saved_tensors
+    dy = torch.zeros_like(x) if dy is None else dy.contiguous()
+    dro = None if dresidual_out is None else dresidual_out.contiguous()
+    dx, dresidual, dweight = _fused_bwd(dy, x, residual, weight, rstd, dro, ctx.residual_rounding)
+    return dx, dresidual, dweight, None, None, None, None
+
+
+torch.library.register_autograd("dsnorm::rms_norm_fwd", _fwd_backward, setup_context=_fwd_setup, lib=ops.lib)
+torch.library.register_autograd("dsnorm::fused_add_rms_norm_fwd", _fused_fwd_backward, setup_context=_fused_fwd_setup,
+                                lib=ops.lib)
+
 _PLAIN_TYPES = ops.PLAIN_TYPES
 # torch.autograd.graph.increment_version without its Python wrapper (this runs per decode call).
 _increment_version = torch._C._increment_version
@@ -194,6 +232,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = EPS, *, cast: s
             return y
     w = _compute_weight(weight, x)
     ops.refuse_forward_ad("dsnorm.rms_norm", x, w)
+    if _jit_tracing():
+        return _fwd(x, w, eps, cast)[0]
     if not _needs_grad(x, w):
         if _direct(x, w):
             return ops.rms_norm(x, w, eps, cast)
@@ -241,6 +281,8 @@ def fused_add_rms_norm(
     if not isinstance(residual, torch.Tensor):
         raise TypeError(f"residual must be a torch.Tensor, got {type(residual).__name__}")
     ops.refuse_forward_ad("dsnorm.fused_add_rms_norm", x, residual, w)
+    if _jit_tracing():
+        return tuple(_fused_fwd(x, residual, w, eps, cast, residual_rounding, residual_dtype)[:2])
     if not _needs_grad(x, residual, w):
         if _direct(x, residual, w):
             return ops.fused_add_rms_norm(x, residual, w, eps, cast, residual_rounding, residual_dtype)
