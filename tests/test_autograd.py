@@ -279,3 +279,42 @@ def test_jit_trace_records_a_serialisable_op_in_grad_mode():
     assert torch.equal(torch.jit.load(buf)(x), model(x))
     fused = torch.jit.trace(m, (x, r))
     assert all(torch.equal(a, b) for a, b in zip(fused(x, r), m(x, r)))
+
+
+def test_second_derivatives_are_refused_not_wrong():
+    # A second derivative through dsnorm's gradients raises by name on every route: autograd.grad
+    # with respect to the inputs (not only .backward()), torch.func.grad of grad, and the forward
+    # ops called directly (as traced models do). It was silently wrong (off by ~10) for a while.
+    from torch.func import grad
+
+    x = _rand((3, 64), seed=50).requires_grad_(True)
+    r = _rand((3, 64), seed=51).requires_grad_(True)
+    w = (torch.rand(64, dtype=torch.float64) + 0.5).requires_grad_(True)
+    firsts = {
+        "rms_norm": lambda: dsnorm.rms_norm(x, w).pow(2).sum() + x.pow(3).sum(),
+        "fused_add_rms_norm": lambda: dsnorm.fused_add_rms_norm(x, r, w)[0].pow(2).sum() + x.pow(3).sum(),
+        "rms_norm_fwd": lambda: torch.ops.dsnorm.rms_norm_fwd(x, w, 1e-6, "deepseek")[0].pow(2).sum() + x.pow(3).sum(),
+        "fused_add_rms_norm_fwd": lambda: torch.ops.dsnorm.fused_add_rms_norm_fwd(
+            x, r, w, 1e-6, "deepseek", "fp32_sum", None)[0].pow(2).sum() + x.pow(3).sum(),
+    }
+    for name, loss in firsts.items():
+        (g,) = torch.autograd.grad(loss(), x, create_graph=True)
+        with pytest.raises(RuntimeError, match=f"dsnorm.{name} has no second derivative"):
+            torch.autograd.grad(g.pow(2).sum(), x)
+    wd = w.detach()
+    with pytest.raises(RuntimeError, match="has no second derivative"):
+        grad(lambda t: grad(lambda u: dsnorm.rms_norm(u, wd).pow(2).sum())(t).sum())(x.detach())
+
+
+def test_the_ops_refuse_forward_mode_ad():
+    import torch.autograd.forward_ad as fwAD
+
+    x, w, r = _rand((3, 64), torch.float32, 60), torch.rand(64) + 0.5, _rand((3, 64), torch.float32, 61)
+    with fwAD.dual_level():
+        d = fwAD.make_dual(x, torch.ones_like(x))
+        for call in (lambda: torch.ops.dsnorm.rms_norm(d, w, 1e-6, "deepseek"),
+                     lambda: torch.ops.dsnorm.rms_norm_fwd(d, w, 1e-6, "deepseek"),
+                     lambda: torch.ops.dsnorm.fused_add_rms_norm(d, r, w, 1e-6, "deepseek", "fp32_sum", None),
+                     lambda: torch.ops.dsnorm.fused_add_rms_norm_fwd(d, r, w, 1e-6, "deepseek", "fp32_sum", None)):
+            with pytest.raises(NotImplementedError, match="no forward-mode AD"):
+                call()

@@ -30,27 +30,34 @@ _bwd = torch.ops.dsnorm.rms_norm_bwd
 _fused_bwd = torch.ops.dsnorm.fused_add_rms_norm_bwd
 
 
-def _first_order_only(what: str, grads: tuple, incoming: tuple) -> tuple:
-    """The backward's gradients, made to refuse differentiation by name.
+class _NoSecondDerivative(torch.autograd.Function):
+    """Identity on the first-order gradients whose backward refuses by name. Its inputs include the
+    tensors the gradients are functions of (output gradients and saved inputs), so any second
+    derivative, by .backward() or autograd.grad(inputs=...), passes through it."""
 
-    The kernels' backward has no derivative of its own. Under ``create_graph=True`` (what
-    ``torch.func.grad`` always uses) the first-order gradients are returned as usual, but a second
-    derivative through them raises (``torch.autograd.function.once_differentiable``'s mechanism,
-    with a message that says which op): never a second-order term that is wrong or dropped.
-    """
-    # Nothing to fence unless the backward itself is being recorded (``incoming``: the output
-    # gradients it received; under torch.func.grad they are plain at this level).
-    if not torch.is_grad_enabled() or not any(isinstance(g, torch.Tensor) and g.requires_grad for g in incoming):
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(what, n, *tensors):
+        return tuple(t.clone() for t in tensors[:n])
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.what = inputs[0]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(
+            f"dsnorm.{ctx.what} has no second derivative (double backward through its gradients); use "
+            "dsnorm.RMSNormRef (the eager reference) where second derivatives are needed")
+
+
+def _first_order_only(what: str, grads: tuple, depends_on: tuple) -> tuple:
+    anchors = [t for t in depends_on if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not torch.is_grad_enabled() or not anchors:
         return grads
     live = [i for i, g in enumerate(grads) if g is not None]
-    err = torch._C._functions.DelayedError(
-        f"dsnorm.{what} has no second derivative (double backward through its gradients); use "
-        "dsnorm.RMSNormRef (the eager reference) where second derivatives are needed", len(live))
-    detached = [grads[i].detach() for i in live]
-    for g in detached:
-        g.requires_grad = True  # the attribute, as once_differentiable does (functorch refuses requires_grad_())
-    fenced = err(*detached)
-    fenced = fenced if isinstance(fenced, tuple) else (fenced,)
+    fenced = _NoSecondDerivative.apply(what, len(live), *(grads[i] for i in live), *anchors)
     out = list(grads)
     for i, g in zip(live, fenced):
         out[i] = g
@@ -80,7 +87,7 @@ class RMSNormFunction(torch.autograd.Function):
         with torch.no_grad():
             dy = dy_in.contiguous()
             dx, dweight = (ops.rms_norm_bwd if _direct(dy, x, weight, rstd) else _bwd)(dy, x, weight, rstd)
-        return (*_first_order_only("rms_norm", (dx, dweight), (dy_in,)), None, None)
+        return (*_first_order_only("rms_norm", (dx, dweight), (dy_in, x, weight)), None, None)
 
 
 class FusedAddRMSNormFunction(torch.autograd.Function):
@@ -104,7 +111,7 @@ class FusedAddRMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, dresidual_out, _drstd):
         x, residual, weight, rstd = ctx.saved_tensors
-        incoming = (dy, dresidual_out)
+        incoming = (dy, dresidual_out, x, residual, weight)
         with torch.no_grad():
             if dy is None:
                 dy = torch.zeros_like(x)
@@ -131,8 +138,9 @@ def _fwd_setup(ctx, inputs, output):
 
 def _fwd_backward(ctx, dy, _drstd):
     x, weight, rstd = ctx.saved_tensors
-    dx, dweight = _bwd(dy.contiguous(), x, weight, rstd)
-    return dx, dweight, None, None
+    with torch.no_grad():
+        dx, dweight = _bwd(dy.contiguous(), x, weight, rstd)
+    return (*_first_order_only("rms_norm_fwd", (dx, dweight), (dy, x, weight)), None, None)
 
 
 def _fused_fwd_setup(ctx, inputs, output):
@@ -146,8 +154,10 @@ def _fused_fwd_backward(ctx, dy, dresidual_out, _drstd):
     x, residual, weight, rstd = ctx.saved_tensors
     dy = torch.zeros_like(x) if dy is None else dy.contiguous()
     dro = None if dresidual_out is None else dresidual_out.contiguous()
-    dx, dresidual, dweight = _fused_bwd(dy, x, residual, weight, rstd, dro, ctx.residual_rounding)
-    return dx, dresidual, dweight, None, None, None, None
+    with torch.no_grad():
+        dx, dresidual, dweight = _fused_bwd(dy, x, residual, weight, rstd, dro, ctx.residual_rounding)
+    return (*_first_order_only("fused_add_rms_norm_fwd", (dx, dresidual, dweight),
+                               (dy, dresidual_out, x, residual, weight)), None, None, None, None)
 
 
 torch.library.register_autograd("dsnorm::rms_norm_fwd", _fwd_backward, setup_context=_fwd_setup, lib=ops.lib)

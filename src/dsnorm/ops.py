@@ -319,6 +319,7 @@ LANE_PLAIN, LANE_FUSED, LANE_INPLACE = 0, 1, 2
 
 
 def rms_norm(x, weight, eps, cast):
+    refuse_forward_ad("dsnorm::rms_norm", x, weight)
     out = (lane or _load_lane())(LANE_PLAIN, x, None, weight, eps, cast, None, None)
     if out is not None:
         return out
@@ -326,10 +327,12 @@ def rms_norm(x, weight, eps, cast):
 
 
 def rms_norm_fwd(x, weight, eps, cast):
+    refuse_forward_ad("dsnorm::rms_norm_fwd", x, weight)
     return _plain(x, weight, eps, cast, True)
 
 
 def fused_add_rms_norm(x, residual, weight, eps, cast, residual_rounding, residual_dtype):
+    refuse_forward_ad("dsnorm::fused_add_rms_norm", x, residual, weight)
     out = (lane or _load_lane())(LANE_FUSED, x, residual, weight, eps, cast, residual_rounding, residual_dtype)
     if out is not None:
         return out
@@ -337,6 +340,7 @@ def fused_add_rms_norm(x, residual, weight, eps, cast, residual_rounding, residu
 
 
 def fused_add_rms_norm_fwd(x, residual, weight, eps, cast, residual_rounding, residual_dtype):
+    refuse_forward_ad("dsnorm::fused_add_rms_norm_fwd", x, residual, weight)
     return _fused(x, residual, weight, eps, cast, residual_rounding, residual_dtype, True)
 
 
@@ -398,6 +402,7 @@ def _inplace_common_case(x, residual, weight) -> bool:
 
 
 def fused_add_rms_norm_inplace(x, residual, weight, eps, cast, residual_rounding):
+    refuse_forward_ad("dsnorm::fused_add_rms_norm_", x, residual, weight)
     if (lane or _load_lane())(LANE_INPLACE, x, residual, weight, eps, cast, residual_rounding, None) is not None:
         return
     if not _inplace_common_case(x, residual, weight):
