@@ -346,7 +346,7 @@ def _mla_inputs(lead, dtype, seed=40):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("lead", [(1,), (1, 1), (3, 2)])
+@pytest.mark.parametrize("lead", [(1,), (1, 1), (3, 2), (16,), (64, 1)])  # 16 and 64 rows: q on the thread pool
 def test_mla_lane_matches_the_two_norms(mla_lane_only, dtype, lead):
     q, kv, wq, wkv = _mla_inputs(lead, dtype)
     kv_before = kv.clone()
@@ -367,7 +367,7 @@ def test_mla_lane_steps_aside(case):
     elif case == "fp64":
         q, kv = q.double(), kv.double()
     elif case == "large":
-        q, kv, wq, wkv = _mla_inputs((64,), torch.bfloat16)
+        q, kv, wq, wkv = _mla_inputs((128,), torch.bfloat16)  # prefill-sized: the general path
     want = (rms_norm_ref(q, wq), rms_norm_ref(kv[..., :512], wkv))
     if case == "fp64":  # computed in fp64, dsnorm's one departure
         want = (dsnorm.rms_norm(q, wq), dsnorm.rms_norm(kv[..., :512], wkv))

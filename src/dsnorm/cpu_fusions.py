@@ -414,6 +414,9 @@ def _ue8m0_array(values, out):
 
 _TENSOR, _PARAMETER = _PLAIN_TYPES
 _F32 = torch.float32
+# The lane takes decode batches (64 rows of 1536 and more); prefill-sized calls take the general
+# path, one launch for both norms on the thread pool.
+_MLA_LANE_NUMEL = 1 << 17
 _STRIDED = torch.strided
 _INF = float("inf")
 
@@ -424,7 +427,7 @@ def mla_lane(q_latent, kv_a, q_weight, kv_weight, eps, cast):
 
     :func:`dsnorm.cpu.lane` for the MLA pair: plain CPU tensors of one dtype (bf16/fp16/fp32),
     contiguous ``q_latent`` and ``kv_a`` (576 wide: its first ``kv_lora_rank`` columns are read in
-    place), fp32 weights, a valid eps, DeepSeek's cast, serial size; nothing taken while autograd
+    place), fp32 weights, a valid eps, DeepSeek's cast, decode sizes; nothing taken while autograd
     records, or torch.compile, functorch, a mode, tracing or the profiler is in effect, nor for a
     negated view or a ZeroTensor. It only recognises: anything else, bad input included, returns
     None. Each norm is the core decode kernel's entry point, called directly (the general path's
@@ -467,14 +470,18 @@ def mla_lane(q_latent, kv_a, q_weight, kv_weight, eps, cast):
         kv_width = kv_shape[-1]
         numel = q_latent.numel()
         rows = numel // nq if nq else 0
-        if rows == 0 or nkv == 0 or nkv > kv_width or rows * max(nq, nkv) >= SERIAL_NUMEL:
+        if rows == 0 or nkv == 0 or nkv > kv_width or rows * max(nq, nkv) >= _MLA_LANE_NUMEL:
             return None
         addrs = (q_latent.data_ptr(), kv_a.data_ptr(), q_weight.data_ptr(), kv_weight.data_ptr())
     except RuntimeError:
         return None
-    q_out = torch.empty_like(q_latent)
+    q_bytes = numel * q_latent.element_size()
+    q_out = torch.empty_like(q_latent) if q_bytes < cpu._PRIME_MIN_BYTES else empty_output(q_latent, dtype)
     kv_out = torch.empty(*kv_shape[:-1], nkv, dtype=dtype)
+    # Each norm as the core lane runs it: the decode kernel on this thread, the pool past the serial size.
     entry = cpu._decode_entry or cpu._compile_decode()
-    entry(rows, nq, code, addrs[0], nq, 0, addrs[2], q_out.data_ptr(), 0, eps, False, False)
-    entry(rows, nkv, code, addrs[1], kv_width, 0, addrs[3], kv_out.data_ptr(), 0, eps, False, False)
+    launch = entry if numel < SERIAL_NUMEL else cpu._lane_parallel
+    launch(rows, nq, code, addrs[0], nq, 0, addrs[2], q_out.data_ptr(), 0, eps, False, False)
+    launch = entry if rows * nkv < SERIAL_NUMEL else cpu._lane_parallel
+    launch(rows, nkv, code, addrs[1], kv_width, 0, addrs[3], kv_out.data_ptr(), 0, eps, False, False)
     return q_out, kv_out
