@@ -340,6 +340,23 @@ def test_backward_ops_read_a_strided_rstd():
     assert all(torch.equal(a, b) for a, b in zip(want, got))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_inplace_takes_interleaved_rows_that_share_no_element(dtype):
+    # x and residual as the two column halves of one [rows, 2n] buffer: their address ranges
+    # overlap, their elements do not. Each half gets what the out-of-place form gives.
+    buf = _rand((5, 128), dtype, 70)
+    w = torch.rand(64) + 0.5
+    x, res = buf[:, :64], buf[:, 64:]
+    want_y, want_res = dsnorm.fused_add_rms_norm(x, res, w)
+    with torch.no_grad():
+        dsnorm.fused_add_rms_norm_(x, res, w)
+    assert bits_equal(buf[:, :64], want_y) and bits_equal(buf[:, 64:], want_res)
+    # Column spans that do overlap (a shift of 32 columns) are still refused.
+    buf = _rand((5, 128), dtype, 71)
+    with pytest.raises(ValueError, match="must not share memory"):
+        dsnorm.fused_add_rms_norm_(buf[:, :64], buf[:, 32:96], w)
+
+
 def test_option_types_are_checked_by_name():
     x = _rand((2, 8))
     with pytest.raises(ValueError, match="cast must be one of"):

@@ -48,7 +48,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from dsnorm.ops import PLAIN_TYPES as _PLAIN_TYPES
-from dsnorm.ops import dispatch_free, rows_viewable
+from dsnorm.ops import dispatch_free, row_stride, rows_viewable  # noqa: F401 (row_stride: the launchers')
 
 # Threads: numba's "threadsafe" layers (tbb when installed, else omp) may be entered from several
 # Python threads at once (its default workqueue layer may not); respect a layer the user chose.
@@ -938,17 +938,6 @@ def _stride(t):
 
 def _code(t, default=F32):
     return default if t is None else DTYPE_CODES[t.dtype]
-
-
-def row_stride(t: torch.Tensor) -> int:
-    """Element stride between rows of a ``[..., n]`` tensor whose leading dims collapse to one
-    stride (ops.py guarantees that): no 2-D view is built, since a view costs ~1 µs at decode."""
-    if t.is_contiguous():
-        return t.shape[-1]
-    for size, stride in zip(reversed(t.shape[:-1]), reversed(t.stride()[:-1])):
-        if size != 1:
-            return stride
-    return t.shape[-1]
 
 
 def forward(x, residual, weight, eps, cast_hf, round_first, y, residual_out, rstd) -> None:

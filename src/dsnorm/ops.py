@@ -177,6 +177,17 @@ def readable_rows(t: torch.Tensor) -> torch.Tensor:
     return t if rows_viewable(t) else t.contiguous()
 
 
+def row_stride(t: torch.Tensor) -> int:
+    """Element stride between rows of a ``[..., n]`` tensor whose leading dims collapse to one
+    stride (``rows_viewable``): no 2-D view is built, since a view costs ~1 µs at decode."""
+    if t.is_contiguous():
+        return t.shape[-1]
+    for size, stride in zip(reversed(t.shape[:-1]), reversed(t.stride()[:-1])):
+        if size != 1:
+            return stride
+    return t.shape[-1]
+
+
 def as_rows(t: torch.Tensor) -> torch.Tensor:
     """A 2-D ``[rows, n]`` view of a rows-viewable tensor (the Triton launchers take 2-D)."""
     return t if t.dim() == 2 else t.view(-1, t.shape[-1])
@@ -384,7 +395,21 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     b0 = b.data_ptr()
     a1 = a0 + (sum((s - 1) * st for s, st in zip(a.shape, a.stride())) + 1) * a.element_size()
     b1 = b0 + (sum((s - 1) * st for s, st in zip(b.shape, b.stride())) + 1) * b.element_size()
-    return a0 < b1 and b0 < a1
+    return a0 < b1 and b0 < a1 and not _rows_interleave(a, b)
+
+
+def _rows_interleave(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two rows-viewable tensors whose address ranges overlap still share no element: rows
+    with one common row stride in bytes whose column spans are disjoint (``buf[:, :n]`` and
+    ``buf[:, n:]`` of one ``[rows, 2n]`` buffer)."""
+    if not (rows_viewable(a) and rows_viewable(b)) or a.dim() < 2 or b.dim() < 2:
+        return False
+    stride = row_stride(a) * a.element_size()
+    if stride != row_stride(b) * b.element_size() or stride <= 0:
+        return False
+    width_a, width_b = a.shape[-1] * a.element_size(), b.shape[-1] * b.element_size()
+    offset = (b.data_ptr() - a.data_ptr()) % stride  # where b's rows start within a's row period
+    return width_a <= offset and offset + width_b <= stride
 
 
 def _inplace_common_case(x, residual, weight) -> bool:
