@@ -64,30 +64,60 @@ def _first_order_only(what: str, grads: tuple, depends_on: tuple) -> tuple:
     return tuple(out)
 
 
+# The autograd formulas, shared by the Functions below and by the forward ops' own registration
+# (``register_autograd``, for torch.jit.trace); ``what`` names the route in the second-derivative error.
+
+
+def _plain_setup(ctx, inputs, output):
+    x, weight, _, _ = inputs
+    ctx.save_for_backward(x, weight, output[1])
+    ctx.mark_non_differentiable(output[1])
+
+
+def _plain_backward(what, ctx, dy_in):
+    x, weight, rstd = ctx.saved_tensors
+    with torch.no_grad():
+        dy = dy_in.contiguous()
+        dx, dweight = (ops.rms_norm_bwd if _direct(dy, x, weight, rstd) else _bwd)(dy, x, weight, rstd)
+    return (*_first_order_only(what, (dx, dweight), (dy_in, x, weight)), None, None)
+
+
+def _fused_setup(ctx, inputs, output):
+    x, residual, weight, _, _, residual_rounding, _ = inputs
+    ctx.save_for_backward(x, residual, weight, output[2])
+    ctx.mark_non_differentiable(output[2])
+    ctx.residual_rounding = residual_rounding
+
+
+def _fused_backward(what, ctx, dy, dresidual_out):
+    x, residual, weight, rstd = ctx.saved_tensors
+    incoming = (dy, dresidual_out, x, residual, weight)
+    with torch.no_grad():
+        if dy is None:
+            dy = torch.zeros_like(x)
+        dy = dy.contiguous()
+        dro = None if dresidual_out is None else dresidual_out.contiguous()
+        direct = _direct(dy, x, residual, weight, rstd, *(() if dro is None else (dro,)))
+        dx, dresidual, dweight = (ops.fused_add_rms_norm_bwd if direct else _fused_bwd)(
+            dy, x, residual, weight, rstd, dro, ctx.residual_rounding)
+    return (*_first_order_only(what, (dx, dresidual, dweight), incoming), None, None, None, None)
+
+
 class RMSNormFunction(torch.autograd.Function):
     """``rms_norm`` on 2-D ``[rows, n]`` input; weight in the compute dtype. Returns ``(y, rstd)``
     (``rstd`` not differentiable). New-style (forward without ctx, ``setup_context``) so that
     ``torch.func`` transforms work: vmap through the ops (``generate_vmap_rule``), grad, jacrev."""
 
     generate_vmap_rule = True
+    setup_context = staticmethod(_plain_setup)
 
     @staticmethod
     def forward(x, weight, eps, cast):
         return (ops.rms_norm_fwd if _direct(x, weight) else _fwd)(x, weight, eps, cast)
 
     @staticmethod
-    def setup_context(ctx, inputs, output):
-        x, weight, _, _ = inputs
-        ctx.save_for_backward(x, weight, output[1])
-        ctx.mark_non_differentiable(output[1])
-
-    @staticmethod
-    def backward(ctx, dy_in, _drstd):
-        x, weight, rstd = ctx.saved_tensors
-        with torch.no_grad():
-            dy = dy_in.contiguous()
-            dx, dweight = (ops.rms_norm_bwd if _direct(dy, x, weight, rstd) else _bwd)(dy, x, weight, rstd)
-        return (*_first_order_only("rms_norm", (dx, dweight), (dy_in, x, weight)), None, None)
+    def backward(ctx, dy, _drstd):
+        return _plain_backward("rms_norm", ctx, dy)
 
 
 class FusedAddRMSNormFunction(torch.autograd.Function):
@@ -95,6 +125,7 @@ class FusedAddRMSNormFunction(torch.autograd.Function):
     ``(y, residual_out, rstd)`` (``rstd`` not differentiable); new-style, as RMSNormFunction."""
 
     generate_vmap_rule = True
+    setup_context = staticmethod(_fused_setup)
 
     @staticmethod
     def forward(x, residual, weight, eps, cast, residual_rounding, residual_dtype):
@@ -102,67 +133,22 @@ class FusedAddRMSNormFunction(torch.autograd.Function):
         return fwd(x, residual, weight, eps, cast, residual_rounding, residual_dtype)
 
     @staticmethod
-    def setup_context(ctx, inputs, output):
-        x, residual, weight, _, _, residual_rounding, _ = inputs
-        ctx.save_for_backward(x, residual, weight, output[2])
-        ctx.mark_non_differentiable(output[2])
-        ctx.residual_rounding = residual_rounding
-
-    @staticmethod
     def backward(ctx, dy, dresidual_out, _drstd):
-        x, residual, weight, rstd = ctx.saved_tensors
-        incoming = (dy, dresidual_out, x, residual, weight)
-        with torch.no_grad():
-            if dy is None:
-                dy = torch.zeros_like(x)
-            dy = dy.contiguous()
-            dro = None if dresidual_out is None else dresidual_out.contiguous()
-            direct = _direct(dy, x, residual, weight, rstd, *(() if dro is None else (dro,)))
-            dx, dresidual, dweight = (ops.fused_add_rms_norm_bwd if direct else _fused_bwd)(
-                dy, x, residual, weight, rstd, dro, ctx.residual_rounding)
-        return (*_first_order_only("fused_add_rms_norm", (dx, dresidual, dweight), incoming), None, None, None, None)
+        return _fused_backward("fused_add_rms_norm", ctx, dy, dresidual_out)
 
 
-# torch.jit.trace: the forward ops carry their own autograd formula (below), and while tracing the
-# functions call them whether or not a gradient is needed. The Functions above would record a
+# torch.jit.trace: the forward ops carry their own autograd formula (the same), and while tracing
+# the functions call them whether or not a gradient is needed. The Functions above would record a
 # Python op (not serialisable by torch.jit.save) in grad mode and the plain op under no_grad, where
 # jit.trace's check re-runs the model: "Graphs differed across invocations".
 _jit_tracing = torch._C._get_tracing_state
-
-
-def _fwd_setup(ctx, inputs, output):
-    x, weight, _, _ = inputs
-    ctx.save_for_backward(x, weight, output[1])
-    ctx.mark_non_differentiable(output[1])
-
-
-def _fwd_backward(ctx, dy, _drstd):
-    x, weight, rstd = ctx.saved_tensors
-    with torch.no_grad():
-        dx, dweight = _bwd(dy.contiguous(), x, weight, rstd)
-    return (*_first_order_only("rms_norm_fwd", (dx, dweight), (dy, x, weight)), None, None)
-
-
-def _fused_fwd_setup(ctx, inputs, output):
-    x, residual, weight, _, _, residual_rounding, _ = inputs
-    ctx.save_for_backward(x, residual, weight, output[2])
-    ctx.mark_non_differentiable(output[2])
-    ctx.residual_rounding = residual_rounding
-
-
-def _fused_fwd_backward(ctx, dy, dresidual_out, _drstd):
-    x, residual, weight, rstd = ctx.saved_tensors
-    dy = torch.zeros_like(x) if dy is None else dy.contiguous()
-    dro = None if dresidual_out is None else dresidual_out.contiguous()
-    with torch.no_grad():
-        dx, dresidual, dweight = _fused_bwd(dy, x, residual, weight, rstd, dro, ctx.residual_rounding)
-    return (*_first_order_only("fused_add_rms_norm_fwd", (dx, dresidual, dweight),
-                               (dy, dresidual_out, x, residual, weight)), None, None, None, None)
-
-
-torch.library.register_autograd("dsnorm::rms_norm_fwd", _fwd_backward, setup_context=_fwd_setup, lib=ops.lib)
-torch.library.register_autograd("dsnorm::fused_add_rms_norm_fwd", _fused_fwd_backward, setup_context=_fused_fwd_setup,
-                                lib=ops.lib)
+torch.library.register_autograd(
+    "dsnorm::rms_norm_fwd", lambda ctx, dy, _drstd: _plain_backward("rms_norm_fwd", ctx, dy),
+    setup_context=_plain_setup, lib=ops.lib)
+torch.library.register_autograd(
+    "dsnorm::fused_add_rms_norm_fwd",
+    lambda ctx, dy, dresidual_out, _drstd: _fused_backward("fused_add_rms_norm_fwd", ctx, dy, dresidual_out),
+    setup_context=_fused_setup, lib=ops.lib)
 
 _PLAIN_TYPES = ops.PLAIN_TYPES
 # torch.autograd.graph.increment_version without its Python wrapper (this runs per decode call).

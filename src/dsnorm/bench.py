@@ -798,8 +798,8 @@ def measure(runners: list, settings: Settings, device: torch.device, failures: O
     times = {r.name: [] for r in live}
     rounds = settings.rounds
     for rd in range(rounds):
-        order = [r for r in live[rd % max(1, len(live)):] + live[:rd % max(1, len(live))] if r.name not in (failures or {})]
-        for r in order:
+        start = rd % len(live) if live else 0
+        for r in live[start:] + live[:start]:
             n = reps[r.name] // rounds + (1 if rd < reps[r.name] % rounds else 0)
             # The call count comes from the warm-up estimate; should the provider turn slow later
             # (a stall when another process takes a core), the round's share of the budget caps it.
@@ -816,6 +816,7 @@ def measure(runners: list, settings: Settings, device: torch.device, failures: O
                 if not failed(r, e):
                     raise
                 del times[r.name]
+        live = [r for r in live if r.name in times]  # a runner that raised is timed no more
     return {name: (statistics.median(ts), len(ts), min(ts)) for name, ts in times.items()}
 
 

@@ -33,6 +33,9 @@ from numba.extending import intrinsic
 from dsnorm import cpu
 from dsnorm.ops import PLAIN_TYPES as _PLAIN_TYPES
 from dsnorm.cpu import (
+    _F32,
+    _INF,
+    _STRIDED,
     ACC_SLOTS,
     DTYPE_CODES,
     SERIAL_NUMEL,
@@ -412,13 +415,9 @@ def _ue8m0_array(values, out):
         out[i] = _ue8m0(values[i])
 
 
-_TENSOR, _PARAMETER = _PLAIN_TYPES
-_F32 = torch.float32
 # The lane takes decode batches (64 rows of 1536 and more); prefill-sized calls take the general
 # path, one launch for both norms on the thread pool.
 _MLA_LANE_NUMEL = 1 << 17
-_STRIDED = torch.strided
-_INF = float("inf")
 
 
 def mla_lane(q_latent, kv_a, q_weight, kv_weight, eps, cast):
@@ -433,9 +432,8 @@ def mla_lane(q_latent, kv_a, q_weight, kv_weight, eps, cast):
     None. Each norm is the core decode kernel's entry point, called directly (the general path's
     checks, weight handling and dispatch cost more than the two norms at a batch of 1).
     """
-    plain = (_TENSOR, _PARAMETER)
-    if (type(q_latent) not in plain or type(kv_a) not in plain or type(q_weight) not in plain
-            or type(kv_weight) not in plain):
+    if (type(q_latent) not in _PLAIN_TYPES or type(kv_a) not in _PLAIN_TYPES or type(q_weight) not in _PLAIN_TYPES
+            or type(kv_weight) not in _PLAIN_TYPES):
         return None
     if cpu._is_grad_enabled() and (q_latent.requires_grad or kv_a.requires_grad or q_weight.requires_grad
                                    or kv_weight.requires_grad):
