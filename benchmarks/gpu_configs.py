@@ -1,14 +1,16 @@
 """Launch-configuration sweep for the Triton kernels: the data behind dsnorm.triton.launch's heuristics.
 
-    python benchmarks/gpu_configs.py [--json FILE]      # on a CUDA machine, about 30 s on an H200
+    python benchmarks/gpu_configs.py [--json FILE]      # on a CUDA machine, about 30 s on an H200 before the plain backward
+    # rows were added (an estimated 15-20 s more: 11 more compiles)
 
 For the DeepSeek shapes (bf16; N in 7168, 1536, 512-of-576; decode M=1 and 64, prefill M=16384)
 it times the forward (fused and plain) with every ``num_warps`` in 1..32 that covers the row, and
-the backward with its programs' thread budget ``BWD_PROGRAM_THREADS`` and ``num_warps`` varied,
-by overriding ``launch.config`` / ``launch.backward_config`` / ``launch.BWD_PROGRAM_THREADS`` /
-``launch.BWD_PREFETCH`` (at every width) for the sweep only (plus the fused forward in fp32 at [16384, 7168]). Prefill and
-backward: median of ``triton.testing.do_bench`` (L2 flushed), GB/s from the byte model of
-benchmarks/gpu.py. Decode: microseconds per call replayed from a CUDA graph of 200 calls, where
+at prefill the backward (fused at every width, plain at 7168) with prefetch off and on, then with
+its programs' thread budget ``BWD_PROGRAM_THREADS`` and ``num_warps`` varied, by overriding
+``launch.config`` / ``launch.backward_config`` / ``launch.BWD_PROGRAM_THREADS`` /
+``launch.BWD_PREFETCH`` for the sweep only (plus the fused forward in fp32 at [16384, 7168]).
+Prefill and backward: median of ``triton.testing.do_bench`` (L2 flushed), GB/s from the byte model
+of benchmarks/gpu.py. Decode: microseconds per call replayed from a CUDA graph of 200 calls, where
 launch overhead is gone and what is left is the kernel's latency. The row marked ``*`` is what the
 heuristic picks. Nothing here changes the library; results are read by a person.
 """
@@ -90,37 +92,45 @@ def main(argv=None) -> int:
                        warps == picked_warps)
         if m < 4096:
             continue
-        rstd = torch.empty(m, device="cuda")
-        y, ro = torch.empty(m, n, dtype=x.dtype, device="cuda"), torch.empty(m, n, dtype=x.dtype, device="cuda")
-        launch.forward(x, r, w, EPS, False, False, y, ro, rstd)
-        dx, dr, dw = torch.empty_like(y), torch.empty_like(y), torch.empty(n, device="cuda")
-        picked_prefetch = real_prefetch and real_bwd_config(n, torch.bfloat16)[0] >= real_min_block
-        for prefetch in (False, True):
-            launch.BWD_PREFETCH, launch.BWD_PREFETCH_MIN_BLOCK = prefetch, 1
-            try:
-                us = do_bench(lambda: launch.backward(dy, x, r, w, rstd, None, False, dx, dr, dw), warmup=10, rep=50,
-                              return_mode="median") * 1e3
-            finally:
-                launch.BWD_PREFETCH, launch.BWD_PREFETCH_MIN_BLOCK = real_prefetch, real_min_block
-            record("bwd-fused", m, n, f"prefetch={prefetch}", us, 5 * m * n * 2 + 4 * m + 8 * n,
-                   prefetch == picked_prefetch)
-        for threads in (1 << 17, 1 << 18, 1 << 19):
-            for warps in (picked_bwd_warps // 2, picked_bwd_warps, picked_bwd_warps * 2):
-                if warps > 32 or warps < 1:
-                    continue
-                launch.BWD_PROGRAM_THREADS = threads
-                launch.backward_config = with_warps(real_bwd_config, warps)
-                try:
-                    def fn():
-                        launch.backward(dy, x, r, w, rstd, None, False, dx, dr, dw)
+        # The backward, fused (dx, dresidual, dweight) at every width and plain (dx, dweight) at the
+        # hidden width, where it is furthest below the goal: prefetch off/on, then the programs'
+        # thread budget against the warps.
+        for fused in (True, False):
+            if not fused and n != 7168:
+                continue
+            res = r if fused else None
+            kind = "bwd-fused" if fused else "bwd-plain"
+            nbytes = (5 if fused else 3) * m * n * 2 + 4 * m + 8 * n
+            rstd = torch.empty(m, device="cuda")
+            y = torch.empty(m, n, dtype=x.dtype, device="cuda")
+            ro = torch.empty_like(y) if fused else None
+            launch.forward(x, res, w, EPS, False, False, y, ro, rstd)
+            dx, dw = torch.empty_like(y), torch.empty(n, device="cuda")
+            dr = torch.empty_like(y) if fused else None
 
-                    us = do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e3
+            def bwd():
+                launch.backward(dy, x, res, w, rstd, None, False, dx, dr, dw)
+
+            picked_prefetch = real_prefetch and real_bwd_config(n, torch.bfloat16)[0] >= real_min_block
+            for prefetch in (False, True):
+                launch.BWD_PREFETCH, launch.BWD_PREFETCH_MIN_BLOCK = prefetch, 1
+                try:
+                    us = do_bench(bwd, warmup=10, rep=50, return_mode="median") * 1e3
                 finally:
-                    launch.backward_config, launch.BWD_PROGRAM_THREADS = real_bwd_config, real_threads
-                record("bwd-fused", m, n, f"threads=2^{threads.bit_length() - 1} warps={warps}", us,
-                       5 * m * n * 2 + 4 * m + 8 * n, threads == real_threads and warps == picked_bwd_warps)
-        del x, r, dy, y, ro, dx, dr
-        torch.cuda.empty_cache()
+                    launch.BWD_PREFETCH, launch.BWD_PREFETCH_MIN_BLOCK = real_prefetch, real_min_block
+                record(kind, m, n, f"prefetch={prefetch}", us, nbytes, prefetch == picked_prefetch)
+            for threads in (1 << 17, 1 << 18, 1 << 19):
+                for warps in (picked_bwd_warps // 2, picked_bwd_warps, picked_bwd_warps * 2):
+                    if warps > 32 or warps < 1:
+                        continue
+                    launch.BWD_PROGRAM_THREADS = threads
+                    launch.backward_config = with_warps(real_bwd_config, warps)
+                    try:
+                        us = do_bench(bwd, warmup=10, rep=50, return_mode="median") * 1e3
+                    finally:
+                        launch.backward_config, launch.BWD_PROGRAM_THREADS = real_bwd_config, real_threads
+                    record(kind, m, n, f"threads=2^{threads.bit_length() - 1} warps={warps}", us, nbytes,
+                           threads == real_threads and warps == picked_bwd_warps)
     # fp32 activations at the hidden width: is the bf16-measured forward rule right for 4-byte elements?
     m, n = 16384, 7168
     x, r, _, w = inputs(m, n)

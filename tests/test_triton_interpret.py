@@ -19,8 +19,6 @@ not loosened ones.
 """
 
 import importlib
-import os
-import sys
 
 import pytest
 import torch

@@ -185,7 +185,6 @@ def _rows(t):
 def rms_norm_fp8(x, residual, weight, eps, ue8m0, block, y, residual_out, q, scales) -> None:
     """q, scales = act_quant(y); y = norm(x (+ residual)); residual_out = x + residual (see
     ``dsnorm.cpu_fusions.rms_norm_fp8`` for the contract)."""
-    n = x.shape[-1]
     if x.numel() == 0:
         return
     grid, args, meta = rms_norm_fp8_params(_rows(x), _rows(residual), weight, eps, ue8m0, block, _rows(y),
