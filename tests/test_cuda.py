@@ -388,3 +388,24 @@ def test_final_norm_and_mla():
     assert_y_close(qn, rms_norm_ref(q_latent.cpu(), qw.cpu(), EPS))
     assert_y_close(kvn, rms_norm_ref(kv_a.cpu()[..., :512], kvw.cpu(), EPS))
     assert torch.equal(kv_a, kv_before)
+
+
+def test_fusions_fp64_keep_the_callers_eps():
+    """fp64 rows are normalised with eps as a double: at activations of 1e-3 an eps rounded to fp32
+    (1e-6 + 2.3e-14, what a kernel would see with its "fp64" annotation ignored) moves y by ~4e-10
+    relative, far outside fp64's 1e-14."""
+    gen = torch.Generator().manual_seed(29)
+    h = rows_of(2 * 3, 1536, torch.float64, gen, scale=1e-3).view(2, 3, 1536)
+    res = rows_of(2 * 3, 1536, torch.float64, gen, scale=1e-3).view(2, 3, 1536)
+    w = weight_of(1536, gen).double()
+    with torch.no_grad():
+        y, ro = fusions.final_norm(h, res, w, lengths=torch.tensor([3, 2], device="cuda"))
+    y_full, _ = fused_add_rms_norm_ref(h.cpu(), res.cpu(), w.cpu(), EPS)
+    torch.testing.assert_close(y.cpu(), torch.stack([y_full[0, 2], y_full[1, 1]]), rtol=1e-14, atol=0)
+    q_latent = rows_of(2, 1536, torch.float64, gen, scale=1e-3)
+    kv_a = rows_of(2, 576, torch.float64, gen, scale=1e-3)
+    qw, kvw = weight_of(1536, gen).double(), weight_of(512, gen).double()
+    with torch.no_grad():
+        qn, kvn = fusions.mla_latent_norms(q_latent, kv_a, qw, kvw)
+    torch.testing.assert_close(qn.cpu(), rms_norm_ref(q_latent.cpu(), qw.cpu(), EPS), rtol=1e-14, atol=0)
+    torch.testing.assert_close(kvn.cpu(), rms_norm_ref(kv_a.cpu()[:, :512], kvw.cpu(), EPS), rtol=1e-14, atol=0)

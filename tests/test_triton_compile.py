@@ -30,6 +30,12 @@ SCRIPT = textwrap.dedent(
 
     assert not kernels.BIT_ARITHMETIC  # compiled: the hardware's conversions, not the interpreter's bit arithmetic
 
+    # eps reaches every kernel as a double (the runtime honours the "fp64" annotation only when it is
+    # not stringified by `from __future__ import annotations`): fp64 rows need the caller's eps.
+    from dsnorm.triton import fusions as tf
+    for k in (kernels.rms_norm_fwd_kernel, tf.rms_norm_fp8_kernel, tf.final_norm_kernel, tf.mla_latent_norms_kernel):
+        assert [p.annotation_type for p in k.params if p.name == "eps"] == ["fp64"], k.fn.__name__
+
     def check(k, what, forward, fp="f32", bf16=False):
         ptx = k.asm["ptx"]
         assert f"div.rn.{fp}" in ptx and (f"sqrt.rn.{fp}" in ptx) == forward, what  # the backward loads rstd

@@ -32,7 +32,9 @@ def compile_launch(kernel, args, meta):
                 if a % 16 == 0:
                     attrs[(i,)] = [["tt.divisibility", 16]]
         elif isinstance(a, float):
-            sig[name] = "fp64"
+            # As Triton's runtime types it: the parameter's annotation (an unquoted "fp64" string;
+            # under `from __future__ import annotations` Triton sees "'fp64'" and ignores it), else fp32.
+            sig[name] = kernel.params[i].annotation_type or "fp32"
     for name, v in meta.items():
         if name != "num_warps":
             sig[name] = "constexpr"

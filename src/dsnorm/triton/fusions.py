@@ -19,8 +19,6 @@ tests/test_fusions_triton.py). Helpers are reached as ``kernels.<name>`` so a re
 ``dsnorm.triton.kernels`` (interpreted or compiled) is seen.
 """
 
-from __future__ import annotations
-
 import numpy as np
 import torch
 import triton
