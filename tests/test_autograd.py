@@ -318,3 +318,20 @@ def test_the_ops_refuse_forward_mode_ad():
                      lambda: torch.ops.dsnorm.fused_add_rms_norm_fwd(d, r, w, 1e-6, "deepseek", "fp32_sum", None)):
             with pytest.raises(NotImplementedError, match="no forward-mode AD"):
                 call()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_inputs_made_under_inference_mode_train_the_gain(dtype):
+    # Cached inputs (made under inference_mode) with a gain being trained: autograd cannot save an
+    # inference tensor, so its values are kept in a copy; gradients as the reference's.
+    with torch.inference_mode():
+        x = torch.randn(4, 64, generator=torch.Generator().manual_seed(1)).to(dtype)
+        r = torch.randn(4, 64, generator=torch.Generator().manual_seed(2)).to(dtype)
+    for fused in (False, True):
+        grads = []
+        for cls in (dsnorm.RMSNormRef, dsnorm.RMSNorm):
+            m = cls(64)
+            y = m(x, r)[0] if fused else m(x)
+            y.float().square().sum().backward()
+            grads.append(m.weight.grad)
+        torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-6)

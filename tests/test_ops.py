@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import dsnorm
+from dsnorm import ops
 from dsnorm.ref import RMSNormRef, fused_add_rms_norm_ref, rms_norm_ref
 
 from conftest import bits_equal
@@ -113,6 +114,7 @@ def test_import_does_no_device_or_compiler_work():
 
 X = _rand((2, 8))
 W = torch.ones(8)
+W64 = torch.rand(64, generator=torch.Generator().manual_seed(64)) + 0.5
 
 
 @pytest.mark.parametrize(
@@ -129,6 +131,9 @@ W = torch.ones(8)
         (lambda: dsnorm.rms_norm(X, W, eps=0.0), ValueError, "eps must be a finite number > 0"),
         (lambda: dsnorm.rms_norm(X, W, eps=float("nan")), ValueError, "eps must be"),
         (lambda: dsnorm.rms_norm(X, W, eps=-1e-6), ValueError, "eps must be"),
+        # fp32 would hold them as 0 (a zero row divides by 0) or inf (the reference's y is then 0)
+        (lambda: dsnorm.rms_norm(X, W, eps=1e-46), ValueError, "eps must be .* that float32 holds"),
+        (lambda: dsnorm.fused_add_rms_norm(X, X, W, eps=1e39), ValueError, "eps must be .* that float32 holds"),
         (lambda: dsnorm.rms_norm(X, W, cast="vllm"), ValueError, "cast must be one of"),
         (lambda: dsnorm.fused_add_rms_norm(X, _rand((2, 9)), W), ValueError, "residual must have x's shape"),
         (lambda: dsnorm.fused_add_rms_norm(X, _rand((2, 8), torch.float16), W), TypeError, "residual must be torch.bfloat16"),
@@ -157,16 +162,49 @@ def test_bad_input_names_the_argument(call, exc, match):
         (lambda x, r: (x, x, torch.ones(8)), ValueError, "must not share memory"),
         (lambda x, r: (x[:, ::2], r[:, ::2], torch.ones(4)), ValueError, "unit-stride rows"),
         (lambda x, r: (x, r, torch.ones(8)), ValueError, "eps must be"),
+        (lambda x, r: (_inference(x), r, torch.ones(8)), RuntimeError, "x is an inference tensor"),
+        (lambda x, r: (x, _inference(r), torch.ones(8)), RuntimeError, "residual is an inference tensor"),
     ],
 )
 def test_inplace_errors_leave_inputs_untouched(make, exc, match):
-    x, r = _rand((4, 8), seed=5), _rand((4, 8), seed=6)
-    x0, r0 = x.clone(), r.clone()
-    args = make(x, r)
-    eps = 0.0 if match == "eps must be" else 1e-6
-    with pytest.raises(exc, match=match):
-        dsnorm.fused_add_rms_norm_(*args, eps=eps)
-    assert torch.equal(x, x0) and torch.equal(r, r0)
+    for rows in (4, 4096):  # the fast lane and the thread pool's size
+        x, r = _rand((rows, 8), seed=5), _rand((rows, 8), seed=6)
+        args = make(x, r)
+        before = [t.clone() for t in args[:2]]
+        eps = 0.0 if match == "eps must be" else 1e-6
+        with pytest.raises(exc, match=match):
+            dsnorm.fused_add_rms_norm_(*args, eps=eps)
+        with pytest.raises(exc, match=match):
+            torch.ops.dsnorm.fused_add_rms_norm_(*args, eps, "deepseek", "fp32_sum")
+        assert all(torch.equal(t, t0) for t, t0 in zip(args[:2], before))
+
+
+def _inference(t):
+    """A copy of ``t`` made under inference mode (torch writes those only inside inference mode)."""
+    with torch.inference_mode():
+        return t.clone()
+
+
+def test_inplace_writes_inference_tensors_inside_inference_mode():
+    x, r = _inference(_rand((4, 64), seed=1)), _inference(_rand((4, 64), seed=2))
+    y_ref, res_ref = fused_add_rms_norm_ref(x, r, W64)
+    with torch.inference_mode():
+        dsnorm.fused_add_rms_norm_(x, r, W64)
+    assert bits_equal(x, y_ref) and bits_equal(r, res_ref)
+
+
+@pytest.mark.parametrize("eps", [ops.EPS_MIN, 3e-45, ops.EPS_MAX, 1e38])
+@pytest.mark.parametrize("rows", [2, 4096])
+def test_eps_at_the_ends_of_float32(eps, rows):
+    # A zero row divides by eps alone: sqrt of a subnormal, and rsqrt of a huge value (y = 0 or subnormal).
+    x, r = _rand((rows, 1536), seed=3), _rand((rows, 1536), seed=4)
+    x[0], r[0] = 0, 0
+    w = torch.rand(1536, generator=torch.Generator().manual_seed(5)) + 0.5
+    with torch.no_grad():
+        assert bits_equal(dsnorm.rms_norm(x, w, eps), rms_norm_ref(x, w, eps))
+        y, res = dsnorm.fused_add_rms_norm(x, r, w, eps)
+    y_ref, res_ref = fused_add_rms_norm_ref(x, r, w, eps)
+    assert bits_equal(y, y_ref) and bits_equal(res, res_ref)
 
 
 def test_inplace_residual_dtype_must_match_the_buffer():
@@ -203,6 +241,37 @@ def test_inplace_fp32_stream_and_strided_rows():
     assert r.dtype == torch.float32 and bits_equal(r, res_ref) and bits_equal(x, y_ref)
     assert torch.equal(base_x[:, 512:], untouched_x) and torch.equal(base_r[:, :64], untouched_r)
     assert x._version > v0  # autograd's saved-tensor checks see the write
+
+
+@pytest.mark.parametrize("route", ["op", "profiler", "device context"])
+def test_inplace_write_bumps_versions_on_every_route(route):
+    # A tensor autograd saved and the in-place form then overwrote: the backward must refuse, as it
+    # does after torch's own in-place ops, not differentiate through the new values.
+    import contextlib
+
+    a = torch.randn(4, 64, requires_grad=True)
+    b, r = torch.randn(4, 64), torch.randn(4, 64)
+    z = a * b  # saves b
+    context = {"op": contextlib.nullcontext, "profiler": torch.profiler.profile,
+               "device context": lambda: torch.device("cpu")}[route]
+    with context(), torch.no_grad():
+        if route == "op":
+            torch.ops.dsnorm.fused_add_rms_norm_(b, r, W64, 1e-6, "deepseek", "fp32_sum")
+        else:
+            dsnorm.fused_add_rms_norm_(b, r, W64)
+    assert b._version > 0 and r._version > 0
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        z.sum().backward()
+
+
+def test_inplace_op_refuses_tensors_autograd_would_have_to_track():
+    leaf = torch.randn(4, 64, requires_grad=True)
+    a = torch.randn(4, 64, requires_grad=True)
+    for x in (leaf, a * 3):  # a leaf, and a tensor inside a live graph
+        x0 = x.detach().clone()
+        with pytest.raises(RuntimeError, match="no gradient"):
+            torch.ops.dsnorm.fused_add_rms_norm_(x, torch.randn(4, 64), W64, 1e-6, "deepseek", "fp32_sum")
+        assert torch.equal(x.detach(), x0)
 
 
 def test_inplace_through_the_op_under_a_mode():

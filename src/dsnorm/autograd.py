@@ -195,6 +195,13 @@ def _compute_weight(weight: torch.Tensor, x: torch.Tensor, name: str = "weight",
     return (weight if wdtype == cdtype else weight.to(cdtype)).contiguous()
 
 
+def _savable(t):
+    """``t``, or a copy when it is an inference tensor (made under ``torch.inference_mode``, e.g. a
+    cached batch): the Functions save their inputs for the backward, and autograd cannot save those.
+    (Dynamo cannot trace ``is_inference()``; a compiled graph saves through AOTAutograd instead.)"""
+    return t.clone() if not ops._is_compiling() and t.is_inference() else t
+
+
 def _flat(t: torch.Tensor, name: str) -> torch.Tensor:
     """2-D rows for the Function (its saved tensors and gradients are then 2-D).
 
@@ -214,7 +221,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = EPS, *, cast: s
         x: ``[..., n]`` float32 / bfloat16 / float16 (float64 is computed in float64); rows may be
             strided (unit stride along the last dimension is read in place).
         weight: ``[n]`` gain; float32 is canonical, bf16/fp16 are widened exactly.
-        eps: added to the mean square, finite and > 0.
+        eps: added to the mean square; > 0 and finite in float32 (1.4e-45 to 3.4e38).
         cast: ``"deepseek"`` (reference: fp32 weight times fp32 x̂, one rounding) or ``"hf"``
             (Hugging Face: ``weight.to(x.dtype) * x̂.to(x.dtype)``).
 
@@ -234,7 +241,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = EPS, *, cast: s
         if _direct(x, w):
             return ops.rms_norm(x, w, eps, cast)
         return _infer(x, w, eps, cast)
-    y = RMSNormFunction.apply(_flat(x, "x"), w, eps, cast)[0]
+    y = RMSNormFunction.apply(_flat(_savable(x), "x"), w, eps, cast)[0]
     return y if y.shape == x.shape else y.view(x.shape)
 
 
@@ -257,7 +264,7 @@ def fused_add_rms_norm(
         residual: ``[..., n]`` residual stream, ``x.dtype`` (or float32 with
             ``residual_dtype=torch.float32``).
         weight: ``[n]`` gain (float32 canonical; bf16/fp16 widened exactly).
-        eps: finite and > 0.
+        eps: > 0 and finite in float32 (1.4e-45 to 3.4e38).
         cast: ``"deepseek"`` or ``"hf"`` (see :func:`rms_norm`).
         residual_rounding: ``"fp32_sum"`` (reference: normalise the unrounded sum) or
             ``"round_first"`` (vLLM CUDA / Liger: normalise ``s.to(x.dtype)``).
@@ -285,7 +292,8 @@ def fused_add_rms_norm(
         return _fused_infer(x, residual, w, eps, cast, residual_rounding, residual_dtype)
     ops.check_residual(residual, x, residual_dtype)
     y, residual_out, _ = FusedAddRMSNormFunction.apply(
-        _flat(x, "x"), _flat(residual, "residual"), w, eps, cast, residual_rounding, residual_dtype
+        _flat(_savable(x), "x"), _flat(_savable(residual), "residual"), w, eps, cast, residual_rounding,
+        residual_dtype,
     )
     if y.shape == x.shape:
         return y, residual_out
@@ -328,10 +336,7 @@ def fused_add_rms_norm_(
         raise TypeError(f"residual must be a torch.Tensor, got {type(residual).__name__}")
     ops.refuse_forward_ad("dsnorm.fused_add_rms_norm_", x, residual, w)
     if _needs_grad(x, residual, w):
-        raise RuntimeError(
-            "fused_add_rms_norm_ writes its inputs and has no gradient; use fused_add_rms_norm for "
-            "training or call it under torch.no_grad()"
-        )
+        raise RuntimeError(ops.INPLACE_NEEDS_NO_GRAD)
     for name, t in (("x", x), ("residual", residual)):
         # The dispatcher has no way to write a mutating op's result through a negated view. (An
         # eager-only probe: dynamo cannot trace it, and compiled graphs functionalise the write.)

@@ -48,6 +48,8 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from dsnorm.ops import PLAIN_TYPES as _PLAIN_TYPES
+from dsnorm.ops import EPS_MAX as _EPS_MAX
+from dsnorm.ops import EPS_MIN as _EPS_MIN
 from dsnorm.ops import dispatch_free, row_stride, rows_viewable  # noqa: F401 (row_stride: the launchers')
 
 # Threads: numba's "threadsafe" layers (tbb when installed, else omp) may be entered from several
@@ -1150,8 +1152,8 @@ def _compile_decode():
 # ``torch.add`` of the same tensor, ~1.2 µs here).
 
 _is_grad_enabled = torch.is_grad_enabled
+_inference_mode_enabled = torch.is_inference_mode_enabled
 _STRIDED = torch.strided
-_INF = float("inf")
 _CASTS_HF = {"deepseek": False, "hf": True}
 _ROUNDINGS_FIRST = {"fp32_sum": False, "round_first": True}
 _TENSOR, _PARAMETER = _PLAIN_TYPES
@@ -1170,7 +1172,8 @@ def lane(form, x, residual, weight, eps, cast, residual_rounding, residual_dtype
     torch.compile, torch.jit tracing, functorch, a dispatch/function mode or the profiler is in
     effect, nor for a tensor with the negative bit (a lazily negated view, ``x.conj().imag``) or a
     ZeroTensor (no memory; a slice of one has a made-up nonzero address): the dispatcher resolves
-    them, a raw pointer would not. The checks are written out in one
+    them, a raw pointer would not; nor, in place, for an inference tensor outside inference mode
+    (which torch does not let be written). The checks are written out in one
     function, cheapest refusals and the reads every call needs first: at ~40-90 ns per tensor
     attribute and ~60 ns per Python call, they are most of a decode norm.
     """
@@ -1185,7 +1188,7 @@ def lane(form, x, residual, weight, eps, cast, residual_rounding, residual_dtype
         return None
     dtype = x.dtype
     code = _DECODE_CODES.get(dtype)
-    if code is None or weight.dtype is not _F32 or type(eps) is not float or not 0.0 < eps < _INF:
+    if code is None or weight.dtype is not _F32 or type(eps) is not float or not _EPS_MIN <= eps <= _EPS_MAX:
         return None
     cast_hf = _CASTS_HF.get(cast) if type(cast) is str else None
     if cast_hf is None or not (x.is_cpu and weight.is_cpu) or x.layout is not _STRIDED:
@@ -1253,6 +1256,8 @@ def lane(form, x, residual, weight, eps, cast, residual_rounding, residual_dtype
         return y, residual_out
     if not (x_addr + nbytes <= r_addr or r_addr + nbytes <= x_addr):
         return None
+    if not _inference_mode_enabled() and (x.is_inference() or residual.is_inference()):
+        return None  # torch writes an inference tensor only in inference mode: the general path says so
     launch(numel // n, n, code, x_addr, n, r_addr, w_addr, x_addr, r_addr, eps, cast_hf, round_first)
     return x, residual
 

@@ -33,8 +33,9 @@ from numba.extending import intrinsic
 from dsnorm import cpu
 from dsnorm.ops import PLAIN_TYPES as _PLAIN_TYPES
 from dsnorm.cpu import (
+    _EPS_MAX,
+    _EPS_MIN,
     _F32,
-    _INF,
     _STRIDED,
     ACC_SLOTS,
     DTYPE_CODES,
@@ -443,7 +444,7 @@ def mla_lane(q_latent, kv_a, q_weight, kv_weight, eps, cast):
     dtype = q_latent.dtype
     code = cpu._DECODE_CODES.get(dtype)
     if (code is None or kv_a.dtype is not dtype or q_weight.dtype is not _F32 or kv_weight.dtype is not _F32
-            or cast != "deepseek" or type(eps) is not float or not 0.0 < eps < _INF):
+            or cast != "deepseek" or type(eps) is not float or not _EPS_MIN <= eps <= _EPS_MAX):
         return None
     if not (q_latent.is_cpu and kv_a.is_cpu and q_weight.is_cpu and kv_weight.is_cpu):
         return None

@@ -23,7 +23,6 @@ CUDA key the Triton kernels (:mod:`dsnorm.triton.launch`, imported on first CUDA
 
 from __future__ import annotations
 
-import math
 import numbers
 
 import torch
@@ -62,6 +61,11 @@ lib.define(
 # case is kept to a few attribute reads.
 
 _OPTIONS_OK: set = set()
+# eps is added to an fp32 mean square: below float32's least subnormal it would be 0 (a zero row
+# then divides by 0), above its largest finite value inf (the reference's y is then 0). Both bounds
+# are float32 values; NaN fails both comparisons.
+EPS_MIN = 2.0**-149
+EPS_MAX = float(torch.finfo(torch.float32).max)
 
 
 def check_options(eps, cast, residual_rounding="fp32_sum", residual_dtype=None) -> None:
@@ -71,8 +75,9 @@ def check_options(eps, cast, residual_rounding="fp32_sum", residual_dtype=None) 
             return
     except TypeError:  # an unhashable option: the checks below name it
         pass
-    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not math.isfinite(eps) or eps <= 0:
-        raise ValueError(f"eps must be a finite number > 0, got {eps!r}")
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not EPS_MIN <= eps <= EPS_MAX:
+        raise ValueError(f"eps must be a finite number > 0 that float32 holds ({EPS_MIN:.2g} to {EPS_MAX:.3g}), "
+                         f"got {eps!r}")
     if not isinstance(cast, str) or cast not in CASTS:
         raise ValueError(f"cast must be one of {CASTS}, got {cast!r}")
     if not isinstance(residual_rounding, str) or residual_rounding not in RESIDUAL_ROUNDINGS:
@@ -426,8 +431,23 @@ def _inplace_common_case(x, residual, weight) -> bool:
     return a + nbytes <= b or b + nbytes <= a
 
 
+def refuse_inference_write(x, residual) -> None:
+    """torch's rule for in-place ops: an inference tensor (made under ``torch.inference_mode``) is
+    written only inside inference mode."""
+    if torch.is_inference_mode_enabled():
+        return
+    for name, t in (("x", x), ("residual", residual)):
+        if isinstance(t, torch.Tensor) and t.is_inference():
+            raise RuntimeError(
+                f"{name} is an inference tensor (made under torch.inference_mode) and cannot be written in "
+                f"place outside inference mode; call fused_add_rms_norm_ under torch.inference_mode(), pass "
+                f"{name}.clone(), or use fused_add_rms_norm"
+            )
+
+
 def fused_add_rms_norm_inplace(x, residual, weight, eps, cast, residual_rounding):
     refuse_forward_ad("dsnorm::fused_add_rms_norm_", x, residual, weight)
+    refuse_inference_write(x, residual)
     if (lane or _load_lane())(LANE_INPLACE, x, residual, weight, eps, cast, residual_rounding, None) is not None:
         return
     if not _inplace_common_case(x, residual, weight):
@@ -500,6 +520,40 @@ for _key in ("CPU", "CUDA"):
     lib.impl("fused_add_rms_norm_", fused_add_rms_norm_inplace, _key)
     lib.impl("rms_norm_bwd", rms_norm_bwd, _key)
     lib.impl("fused_add_rms_norm_bwd", fused_add_rms_norm_bwd, _key)
+
+INPLACE_NEEDS_NO_GRAD = (
+    "fused_add_rms_norm_ writes its inputs and has no gradient; use fused_add_rms_norm for "
+    "training or call it under torch.no_grad()"
+)
+
+
+def _inplace_autograd(keyset, x, residual, weight, eps, cast, residual_rounding):
+    """The in-place op's Autograd kernel: it has no derivative, so a write that autograd would have
+    to record (an input that requires grad, in grad mode: a leaf, or a tensor inside a live graph)
+    is refused, as torch's own in-place ops refuse a leaf."""
+    if torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in (x, residual, weight)
+    ):
+        raise RuntimeError(INPLACE_NEEDS_NO_GRAD)
+    with torch._C._AutoDispatchBelowAutograd():
+        return torch.ops.dsnorm.fused_add_rms_norm_.default.redispatch(
+            keyset & torch._C._after_autograd_keyset, x, residual, weight, eps, cast, residual_rounding
+        )
+
+
+def _inplace_version_bump(keyset, x, residual, weight, eps, cast, residual_rounding):
+    """The in-place op's ADInplaceOrView kernel: what torch's in-place ops do there, bump the
+    written tensors' version counters, so that a tensor autograd saved before the write fails its
+    saved-tensor check at backward instead of giving wrong gradients."""
+    with torch._C._AutoDispatchBelowADInplaceOrView():
+        torch.ops.dsnorm.fused_add_rms_norm_.default.redispatch(
+            keyset & torch._C._after_ADInplaceOrView_keyset, x, residual, weight, eps, cast, residual_rounding
+        )
+    torch._C._increment_version((x, residual))
+
+
+lib.impl("fused_add_rms_norm_", _inplace_autograd, "Autograd", with_keyset=True)
+lib.impl("fused_add_rms_norm_", _inplace_version_bump, "ADInplaceOrView", with_keyset=True)
 
 
 # ---------------------------------------------------------------------------------------------
