@@ -308,6 +308,56 @@ def test_thread_count_follows_torch(threads):
     assert torch.get_num_threads() == 2
 
 
+FORK_SCRIPT = r"""
+import os, sys, warnings, numpy as np, torch, dsnorm
+threads = int(sys.argv[1])
+torch.set_num_threads(2)  # the parent runs on numba's pool
+torch.manual_seed(0)
+w = torch.rand(7168) + 0.5
+x = torch.randn(64, 7168, dtype=torch.bfloat16); r = torch.randn_like(x)
+xf = x.float(); dy = torch.randn(64, 7168)
+copies = [(x.clone(), r.clone()) for _ in range(2)]
+def run(xi, ri):
+    with torch.no_grad():
+        y = dsnorm.rms_norm(x, w); yf, rf = dsnorm.fused_add_rms_norm(x, r, w)
+        dsnorm.fused_add_rms_norm_(xi, ri, w)
+        q, s = dsnorm.rms_norm_fp8(x, w)
+    _, rstd = torch.ops.dsnorm.rms_norm_fwd(xf, w, 1e-6, "deepseek")
+    dx, dw = torch.ops.dsnorm.rms_norm_bwd(dy, xf, w, rstd)
+    return [t.contiguous().view(torch.uint8).numpy() for t in (y, yf, rf, xi, ri, q, s, dx, dw)]
+parent = run(*copies[0])
+pid = os.fork()
+if pid == 0:
+    torch.set_num_threads(threads)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        child = run(*copies[1])
+    ok = all(np.array_equal(a, b) for a, b in zip(parent, child))
+    warned = any("forked process" in str(c.message) for c in caught)
+    import numba
+    os.write(1, f"child bitwise={ok} warned={warned} layer={numba.threading_layer()}\n".encode())
+    os._exit(0 if ok else 1)
+_, status = os.waitpid(pid, 0)
+print("child", f"signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status) else f"exit {os.WEXITSTATUS(status)}")
+"""
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="no os.fork on this platform")
+@pytest.mark.parametrize("threads", [1, 2])
+def test_forked_child_after_the_pool_ran(threads):
+    # The parent starts numba's pool, then forks; the child calls every kernel (on one thread as
+    # DataLoader workers do, or asking for two) and compares bits with numpy: torch's own parallel
+    # ops cannot run in such a child, so every buffer is made before the fork. numba's GNU OpenMP
+    # pool cannot serve a forked child (it terminated the child, SIGTERM): dsnorm runs there on the
+    # calling thread, and says so once when more threads were asked for.
+    done = subprocess.run([sys.executable, "-c", FORK_SCRIPT, str(threads)], capture_output=True, text=True,
+                          timeout=300)
+    assert "child exit 0" in done.stdout, done.stdout + done.stderr[-2000:]
+    assert "child bitwise=True" in done.stdout
+    if "layer=omp" in done.stdout:  # the pool that cannot be forked: a warning when 2 threads were asked for
+        assert ("warned=True" in done.stdout) == (threads > 1)
+
+
 def test_concurrent_calls_from_python_threads():
     shapes = [(64, 7168), (1, 1536), (300, 512), (8, 7168)]
     inputs = [(_rand(s, seed=i), _rand(s, seed=i + 10), torch.randn(s[-1])) for i, s in enumerate(shapes)]

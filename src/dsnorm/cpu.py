@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 
 import numba
 import numpy as np
@@ -797,6 +798,33 @@ def _backward_kernel(
             dweight[j] = total
 
 
+@njit(cache=_CACHE)
+def _backward_serial(
+    rows, n, block_rows, scratch, partials, dweight,
+    dy_addr, dy_stride, x_addr, x_stride, x_code, res_addr, res_stride, res_code,
+    w_addr, rstd_addr, dro_addr, dro_stride, dro_code,
+    dx_addr, dx_stride, dres_addr, dres_stride, round_first,
+):
+    """``_backward_kernel`` on the calling thread: the same blocks and block order, so the same
+    bits, with no launch on numba's pool (a forked child must not touch a GNU OpenMP pool that ran
+    in its parent; and one thread gains nothing from a launch)."""
+    nblocks = partials.shape[0]
+    buf = scratch[0, :n]
+    g = scratch[0, n:]
+    for b in range(nblocks):
+        _backward_block(
+            b * block_rows, min(rows, (b + 1) * block_rows), n, buf, g, partials[b],
+            dy_addr, dy_stride, x_addr, x_stride, x_code, res_addr, res_stride, res_code,
+            w_addr, rstd_addr, dro_addr, dro_stride, dro_code,
+            dx_addr, dx_stride, dres_addr, dres_stride, round_first,
+        )
+    for j in range(n):
+        total = partials[0, j]
+        for b in range(1, nblocks):
+            total += partials[b, j]
+        dweight[j] = total
+
+
 # ---------------------------------------------------------------------------------------------
 # Launchers: allocate scratch, pick serial or parallel, pass addresses. Callers (ops.py) have
 # validated shapes and dtypes; every row tensor here is 2-D with unit stride along the row.
@@ -915,9 +943,42 @@ def _start_threading() -> None:
             _threading_ready = True
 
 
+# Set in a forked child whose parent had started numba's pool on GNU OpenMP: that runtime cannot
+# serve a forked child (numba terminates the child, SIGTERM, on its first parallel launch), so
+# the child runs every call on its calling thread. (torch's DataLoader workers set one thread
+# anyway; numba's tbb layer, when installed, is fork-safe and is not affected.)
+_fork_serial = False
+
+
+def _after_fork_in_child() -> None:
+    global _fork_serial
+    try:
+        layer = numba.threading_layer()
+    except ValueError:  # no pool ran in the parent: the child starts its own
+        return
+    if layer == "omp":
+        from numba.np.ufunc import omppool
+
+        _fork_serial = omppool.openmp_vendor == "GNU"
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _threads(numel: int) -> int:
     """Threads for a call: torch's setting (torch.set_num_threads governs dsnorm too)."""
     if numel < SERIAL_NUMEL:
+        return 1
+    if _fork_serial:
+        if torch.get_num_threads() > 1 and not getattr(_local, "fork_warned", False):
+            _local.fork_warned = True
+            warnings.warn(
+                "dsnorm runs on one thread in this forked process: numba's GNU OpenMP thread pool was "
+                "started before the fork and cannot be used after it (install tbb for a fork-safe "
+                "pool, or start worker processes with the 'spawn' or 'forkserver' method)",
+                RuntimeWarning, stacklevel=3,
+            )
         return 1
     if not _threading_ready:
         _start_threading()
@@ -1009,7 +1070,7 @@ def backward(dy, x, residual, weight, rstd, dresidual_out, round_first, dx, dres
     partials = np.empty((nblocks, n), dtype=np_cdtype)
     dw = np.empty(n, dtype=np_cdtype)
     _run(
-        _backward_kernel, np_cdtype,
+        _backward_serial if nthreads == 1 else _backward_kernel, np_cdtype,
         rows, n, block_rows, scratch, partials, dw,
         dy.data_ptr(), row_stride(dy), x.data_ptr(), row_stride(x), DTYPE_CODES[x.dtype],
         _addr(residual), _stride(residual), _code(residual),
