@@ -6,7 +6,7 @@ import torch
 import dsnorm
 from dsnorm.ref import rms_norm_backward_ref, rms_norm_ref
 
-from conftest import bits_equal
+from conftest import bits_equal, max_ulp
 
 
 def _rand(shape, dtype=torch.float64, seed=0):
@@ -335,3 +335,43 @@ def test_inputs_made_under_inference_mode_train_the_gain(dtype):
             y.float().square().sum().backward()
             grads.append(m.weight.grad)
         torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-6)
+
+
+def _rand_scaled(shape, dtype, seed, scale=1.0):
+    return (torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype)
+
+
+# Kills: cpu.py _backward_block without `if round_first: _round_row(buf, n, x_code)` (the CPU
+# backward of residual_rounding="round_first" is only ever gradchecked in fp64, where rounding to
+# x.dtype is the identity, and compared with itself in the DTensor test).
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_round_first_backward_values(dtype):
+    shape = (16, 769)
+    x, r = _rand_scaled(shape, dtype, 40), _rand_scaled(shape, dtype, 41, 4.0)
+    w = _rand_scaled(shape[-1:], torch.float32, 42)
+    dy, dro = _rand_scaled(shape, dtype, 43), _rand_scaled(shape, dtype, 44)
+    xs, rs, ws = (t.clone().requires_grad_() for t in (x, r, w))
+    y, res = dsnorm.fused_add_rms_norm(xs, rs, ws, residual_rounding="round_first")
+    torch.autograd.backward((y, res), (dy, dro))
+    s = (x.double() + r.double()).to(dtype).double()  # round_first normalises the rounded sum
+    ds_ref, dw_ref = rms_norm_backward_ref(dy, s, w)
+    ds_ref = ds_ref + dro.double()
+    assert ((ws.grad.double() - dw_ref).norm() / dw_ref.norm()).item() < 1e-5
+    assert max_ulp(xs.grad, ds_ref.to(dtype)) <= 1 and max_ulp(rs.grad, ds_ref.to(dtype)) <= 1
+
+
+# The fp32 residual stream's gradients are checked for dtype only (test_fp32_residual_stream_
+# gradient_dtype); a kernel writing dresidual with x's code, or reading dresidual_out with it, was
+# caught only incidentally by the DTensor test (uninitialised memory / shard offsets differing).
+def test_fp32_residual_stream_gradient_values():
+    shape = (8, 512)
+    x, r = _rand_scaled(shape, torch.bfloat16, 45), _rand_scaled(shape, torch.float32, 46)
+    w = _rand_scaled(shape[-1:], torch.float32, 47)
+    dy, dro = _rand_scaled(shape, torch.bfloat16, 48), _rand_scaled(shape, torch.float32, 49)
+    xs, rs, ws = (t.clone().requires_grad_() for t in (x, r, w))
+    y, res = dsnorm.fused_add_rms_norm(xs, rs, ws, residual_dtype=torch.float32)
+    torch.autograd.backward((y, res), (dy, dro))
+    ds_ref, dw_ref = rms_norm_backward_ref(dy, x.double() + r.double(), w)
+    ds_ref = ds_ref + dro.double()
+    torch.testing.assert_close(rs.grad.double(), ds_ref, rtol=1e-5, atol=1e-5)
+    assert max_ulp(xs.grad, ds_ref.to(torch.bfloat16)) <= 1

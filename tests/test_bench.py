@@ -448,3 +448,14 @@ def test_fusion_rows_verified_bitwise(quick):
     for case in fusions:
         ds = next(p for p in case["providers"] if p["role"] == "dsnorm")
         assert ds["outputs_bitwise"] is True and ds["fidelity_ok"] is True and ds["max_ulp"] == 0
+
+
+# Kills: bench._outputs_equal's residual_bitwise hard-wired to True: on a GPU a fused fusion with
+# a wrong residual (y within 1 ulp) passed the fidelity verdict.
+def test_fusion_verdict_checks_the_residual_on_gpu():
+    y = torch.randn(4, 16).bfloat16()
+    r = torch.randn(4, 16).bfloat16()
+    r_bad = (r.view(torch.int16) ^ 1).view(torch.bfloat16)
+    eq = bench._outputs_equal((y, r_bad), (y, r), "fused", normed=(0,))
+    assert eq["residual_bitwise"] is False
+    assert not bench.fusion_fidelity_ok(eq, "cuda") and not bench.fusion_fidelity_ok(eq, "cpu")

@@ -465,3 +465,23 @@ def test_load_norms_all_or_nothing(tmp_path):
         load_norms("not a model", tmp_path / "missing")
     with pytest.raises(ValueError, match="no dsnorm.RMSNorm"):
         load_norms(torch.nn.Linear(2, 2), tmp_path / "missing")
+
+
+# Kills: read_header's overlap check as `b1 < e0 - 1` (tensors sharing one byte accepted).
+def test_one_byte_overlap_is_refused(tmp_path):
+    p = _write_raw(tmp_path / "m.safetensors", _header({
+        "a": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]},
+        "b": {"dtype": "U8", "shape": [4], "data_offsets": [3, 7]},
+    }), b"\0" * 8)
+    with pytest.raises(CheckpointError, match="overlap"):
+        read_header(p)
+
+
+# Kills: resolve_checkpoint not reporting a model-parallel rank outside 0..N-1.
+def test_model_parallel_rank_outside_world_size(tmp_path):
+    ref_checkpoint(tmp_path / "c", mp=2)
+    (tmp_path / "c" / "model2-mp2.safetensors").write_bytes((tmp_path / "c" / "model0-mp2.safetensors").read_bytes())
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(json.dumps(REF_CFG))
+    rep = count_norms(tmp_path / "c", str(cfg))
+    assert not rep.ok and ("extra_shard", None) in kinds(rep)

@@ -397,3 +397,23 @@ COMPILE_SCRIPT = textwrap.dedent(
 @pytest.mark.skipif(not ptxas_available(), reason="Triton's NVIDIA backend (ptxas) is not available")
 def test_fusion_kernels_compile_for_sm90():
     run_compiled(COMPILE_SCRIPT)
+
+
+# Kills: _quant_store's scale mask `blocks <= n_cols // QBLOCK`. At widths that are not a power of
+# two (1536, 7168: BLOCK_N 2048, 8192) each row wrote one extra scale into the next row's first
+# slot, and the last row past the end of the buffer. The interpreter runs programs in order, so
+# the next row overwrote it and the row-by-row comparisons saw nothing; on a GPU it is a race.
+@pytest.mark.parametrize("n", [1536, 7168])
+def test_fp8_scales_stay_inside_their_rows(n):
+    rows, nb = 3, n // 128
+    gen = torch.Generator().manual_seed(n)
+    x, w = randn((rows, n), torch.bfloat16, gen), block_weight(n, gen)
+    q = torch.empty(rows, n, dtype=torch.float8_e4m3fn)
+    buf = torch.full((rows * nb + 8,), 123.0)
+    s = buf[: rows * nb].view(rows, nb)
+    for r in range(rows - 1, -1, -1):  # last row first: a spill into the next row now survives
+        tfusions.rms_norm_fp8(x[r:r + 1], None, w, EPS, False, 128, None, None, q[r:r + 1], s[r:r + 1])
+    assert bool((buf[rows * nb:] == 123.0).all())
+    full = torch.empty_like(s)
+    tfusions.rms_norm_fp8(x, None, w, EPS, False, 128, None, None, torch.empty_like(q), full)
+    assert torch.equal(s, full)

@@ -508,3 +508,16 @@ def test_bitwise_under_other_torch_capabilities(capability):
     env = dict(os.environ, ATEN_CPU_CAPABILITY=capability)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+# Kills: ops._rows_interleave returning `width_a <= offset` only (a residual whose rows run past
+# the row period into x's next row was accepted and written in place over x).
+def test_inplace_refuses_rows_that_wrap_into_the_next_row():
+    n = 64
+    buf = torch.randn(4 * 2 * n + n)
+    x = buf.as_strided((4, n), (2 * n, 1), 0)
+    r = buf.as_strided((4, n), (2 * n, 1), n + 1)  # r[i, -1] is x[i + 1, 0]
+    before = buf.clone()
+    with pytest.raises(ValueError, match="share memory"):
+        dsnorm.fused_add_rms_norm_(x, r, torch.ones(n))
+    assert torch.equal(buf, before)

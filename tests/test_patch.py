@@ -278,3 +278,23 @@ def test_hf_llama_norm_and_shared_modules():
 def test_patch_rejects_non_modules():
     with pytest.raises(TypeError, match="torch.nn.Module"):
         patch([nn.RMSNorm(4)])
+
+
+# Kills: patching._probe skipping its `if fused:` half. A reference-looking class whose residual
+# form rounds the sum first must be left alone, not replaced by dsnorm's fp32_sum form.
+class RMSNorm(RMSNormRef):  # the reference's class name, so patch() recognises it
+    def forward(self, x, residual=None):
+        if residual is None:
+            return super().forward(x)
+        s = (x.float() + residual.float()).to(x.dtype)  # round_first
+        return super().forward(s), s
+
+
+def test_patch_probes_the_residual_form():
+    g = torch.Generator().manual_seed(3)
+    holder = nn.ModuleDict({"n": RMSNorm(256)})
+    with torch.no_grad():
+        holder["n"].weight.copy_(1 + 0.3 * torch.randn(256, generator=g))
+    rep = dsnorm.patch(holder)
+    assert not rep.replaced and isinstance(holder["n"], RMSNorm)
+    assert "with residual" in rep.left[0].reason

@@ -204,3 +204,25 @@ def test_cli_subprocess():
     p = subprocess.run([sys.executable, "-m", "dsnorm.cli", "sites"], capture_output=True, text=True, env=env, timeout=120)
     assert p.returncode == 0, p.stderr
     assert "= 1,006,592 in 245 instances" in p.stdout
+
+
+HF_SMALL = {
+    "hidden_size": 64, "num_hidden_layers": 6, "first_k_dense_replace": 1, "q_lora_rank": 32,
+    "kv_lora_rank": 16, "num_nextn_predict_layers": 1, "n_routed_experts": 8, "moe_layer_freq": 2,
+}
+
+
+# Kills: ModelConfig.block_kind ignoring moe_layer_freq (every test config has freq 1).
+def test_moe_layer_freq_alternates_blocks():
+    from dsnorm.sites import totals
+
+    cfg = config_from_dict(HF_SMALL, "hf")
+    assert [cfg.block_kind(i) for i in range(6)] == ["dense", "dense", "moe", "dense", "moe", "dense"]
+    t = totals(cfg, enumerate_sites(cfg))
+    assert (t["dense_blocks"], t["moe_blocks"]) == (4, 2)
+
+
+# Kills: the MTP block's attn_norm listed as fused (it starts a new residual stream: plain).
+def test_mtp_block_attn_norm_is_plain():
+    mtp = {s.key: s for s in enumerate_sites(load_config()) if s.group == "mtp"}
+    assert mtp["mtp.attn_norm"].form == "plain" and mtp["mtp.ffn_norm"].form == "fused"
