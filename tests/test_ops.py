@@ -521,3 +521,37 @@ def test_inplace_refuses_rows_that_wrap_into_the_next_row():
     with pytest.raises(ValueError, match="share memory"):
         dsnorm.fused_add_rms_norm_(x, r, torch.ones(n))
     assert torch.equal(buf, before)
+
+
+def test_fx_symbolic_trace_records_the_norm():
+    # FX tools (prepare_fx, HF's FX tracer) trace models holding the norm; the checks cannot take
+    # Proxies, so the two functions are recorded as graph nodes and run eagerly from the graph.
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(64, 64)
+            self.norm = dsnorm.RMSNorm(64)
+
+        def forward(self, x, residual):
+            y, residual = self.norm(self.lin(x), residual)
+            return self.norm(y), residual
+
+    block = Block()
+    with torch.no_grad():
+        block.norm.weight.copy_(W64)
+    gm = torch.fx.symbolic_trace(block)
+    called = {getattr(node.target, "__name__", "") for node in gm.graph.nodes if node.op == "call_function"}
+    assert {"rms_norm", "fused_add_rms_norm"} <= called
+    x, r = _rand((3, 64), torch.float32, 1), _rand((3, 64), torch.float32, 2)
+    with torch.no_grad():
+        for a, b in zip(gm(x, r), block(x, r)):
+            assert bits_equal(a, b)
+
+
+def test_dim_takes_what_the_reference_takes():
+    import numpy as np
+
+    assert dsnorm.RMSNorm(np.int64(64)).dim == 64 and type(dsnorm.RMSNorm(torch.tensor(64)).dim) is int
+    for bad in (True, 1.5, "8", torch.tensor(2.0)):
+        with pytest.raises(ValueError, match="dim must be an int >= 1"):
+            dsnorm.RMSNorm(bad)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from typing import Optional
 
 import torch
@@ -20,6 +21,12 @@ from dsnorm.ops import check_options
 from dsnorm.ref import EPS
 
 _module_call = nn.Module.__call__  # to notice a tool patching it (FX, quantization), never called
+
+# torch.fx.symbolic_trace records these two calls as nodes (as it records F.rms_norm) instead of
+# tracing into their checks, which cannot take Proxies; the traced graph then calls them as eager
+# code does.
+torch.fx.wrap("rms_norm")
+torch.fx.wrap("fused_add_rms_norm")
 
 
 class RMSNorm(nn.Module):
@@ -50,8 +57,13 @@ class RMSNorm(nn.Module):
         device=None,
     ):
         super().__init__()
-        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
+        try:  # ints and what behaves as one (numpy integers, 0-dim integer tensors), as the reference
+            width = None if isinstance(dim, bool) else operator.index(dim)
+        except TypeError:
+            width = None
+        if width is None or width < 1:
             raise ValueError(f"dim must be an int >= 1, got {dim!r}")
+        dim = width
         check_options(eps, cast, residual_rounding, residual_dtype)
         self.dim = dim
         self.eps = eps
