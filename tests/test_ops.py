@@ -555,3 +555,27 @@ def test_dim_takes_what_the_reference_takes():
     for bad in (True, 1.5, "8", torch.tensor(2.0)):
         with pytest.raises(ValueError, match="dim must be an int >= 1"):
             dsnorm.RMSNorm(bad)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_compiled_inplace_refuses_two_views_of_one_buffer(dynamic):
+    # Eagerly, buf[:, :n] and buf[:, n:] are written in place (they share no element); compiled with
+    # dynamic shapes torch rebuilt both from one base without the residual's offset and wrote
+    # norm(x + x). Refused by name under compile (static too: the same rebuild), buffer untouched.
+    torch._dynamo.reset()
+
+    def step(x, r):
+        dsnorm.fused_add_rms_norm_(x, r, W64)
+        return x * 2
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=dynamic)
+    buf = _rand((4, 128), torch.float32, 3)
+    before = buf.clone()
+    with torch.no_grad(), pytest.raises(Exception, match="separate buffers"):
+        compiled(buf[:, :64], buf[:, 64:])
+    assert torch.equal(buf, before)
+    with torch.no_grad():  # separate buffers compile as before
+        x, r = buf[:, :64].clone(), buf[:, 64:].clone()
+        y_ref, res_ref = fused_add_rms_norm_ref(x, r, W64)
+        compiled(x, r)
+    assert bits_equal(x, y_ref) and bits_equal(r, res_ref)

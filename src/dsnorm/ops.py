@@ -597,6 +597,15 @@ def _fused_inplace_fake(x, residual, weight, eps, cast, residual_rounding):
     check_residual(residual, x, torch.float32 if residual.dtype == torch.float32 else None)
     check_weight(weight, x)
     check_options(eps, cast, residual_rounding, torch.float32 if residual.dtype != x.dtype else None)
+    if torch._C._is_alias_of(x, residual):
+        # Eager code takes two views of one buffer that share no element (buf[:, :n], buf[:, n:]);
+        # compiled code with dynamic shapes rebuilds them from one base and loses the residual's
+        # offset (torch 2.13; a plain torch.library.custom_op fails the same way), writing
+        # norm(x + x). Refused under tracing rather than wrong.
+        raise ValueError(
+            "x and residual are views of one buffer: under torch.compile (and other tracing) the in-place "
+            "form needs them in separate buffers; pass separate tensors, or call it eagerly"
+        )
     return None
 
 
