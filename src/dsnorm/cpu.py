@@ -48,6 +48,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
+from dsnorm import ops as _ops
 from dsnorm.ops import PLAIN_TYPES as _PLAIN_TYPES
 from dsnorm.ops import EPS_MAX as _EPS_MAX
 from dsnorm.ops import EPS_MIN as _EPS_MIN
@@ -943,41 +944,22 @@ def _start_threading() -> None:
             _threading_ready = True
 
 
-# Set in a forked child whose parent had started numba's pool on GNU OpenMP: that runtime cannot
-# serve a forked child (numba terminates the child, SIGTERM, on its first parallel launch), so
-# the child runs every call on its calling thread. (torch's DataLoader workers set one thread
-# anyway; numba's tbb layer, when installed, is fork-safe and is not affected.)
-_fork_serial = False
-
-
-def _after_fork_in_child() -> None:
-    global _fork_serial
-    try:
-        layer = numba.threading_layer()
-    except ValueError:  # no pool ran in the parent: the child starts its own
-        return
-    if layer == "omp":
-        from numba.np.ufunc import omppool
-
-        _fork_serial = omppool.openmp_vendor == "GNU"
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+_fork_warned = False
 
 
 def _threads(numel: int) -> int:
     """Threads for a call: torch's setting (torch.set_num_threads governs dsnorm too)."""
+    global _fork_warned
     if numel < SERIAL_NUMEL:
         return 1
-    if _fork_serial:
-        if torch.get_num_threads() > 1 and not getattr(_local, "fork_warned", False):
-            _local.fork_warned = True
+    if _ops.forked_after_pool:  # see dsnorm.ops._after_fork_in_child
+        if torch.get_num_threads() > 1 and not _fork_warned:
+            _fork_warned = True
             warnings.warn(
                 "dsnorm runs on one thread in this forked process: numba's GNU OpenMP thread pool was "
                 "started before the fork and cannot be used after it (install tbb for a fork-safe "
                 "pool, or start worker processes with the 'spawn' or 'forkserver' method)",
-                RuntimeWarning, stacklevel=3,
+                RuntimeWarning, stacklevel=2,
             )
         return 1
     if not _threading_ready:

@@ -58,7 +58,8 @@ class RMSNorm(nn.Module):
     ):
         super().__init__()
         try:  # ints and what behaves as one (numpy integers, 0-dim integer tensors), as the reference
-            width = None if isinstance(dim, bool) else operator.index(dim)
+            boolean = isinstance(dim, bool) or (isinstance(dim, torch.Tensor) and dim.dtype == torch.bool)
+            width = None if boolean else operator.index(dim)
         except TypeError:
             width = None
         if width is None or width < 1:

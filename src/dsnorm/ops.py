@@ -24,6 +24,8 @@ CUDA key the Triton kernels (:mod:`dsnorm.triton.launch`, imported on first CUDA
 from __future__ import annotations
 
 import numbers
+import os
+import sys
 
 import torch
 
@@ -56,16 +58,53 @@ lib.define(
 
 
 # ---------------------------------------------------------------------------------------------
+# Fork: numba's GNU OpenMP pool cannot serve a forked child (numba terminates the child, SIGTERM,
+# on its first parallel launch), so a child of a process whose pool ran sets this and dsnorm.cpu
+# runs every call there on the calling thread (torch's DataLoader workers use one thread anyway;
+# numba's tbb and workqueue layers are fork-safe). Registered here, at import, rather than in
+# dsnorm.cpu (loaded on first use), so that a pool started by other code before that is seen too.
+forked_after_pool = False
+
+
+def _after_fork_in_child() -> None:
+    global forked_after_pool
+    numba = sys.modules.get("numba")
+    if numba is None:  # numba not imported: no pool can have run
+        return
+    try:
+        layer = numba.threading_layer()
+    except ValueError:  # no pool ran in the parent: the child starts its own
+        return
+    if layer == "omp":
+        from numba.np.ufunc import omppool
+
+        forked_after_pool = omppool.openmp_vendor == "GNU"
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 # Checks: shared by the real impls and the fakes, so bad input fails the same way eagerly and
 # under torch.compile, and before anything is written. They run on every call, so the common
 # case is kept to a few attribute reads.
 
 _OPTIONS_OK: set = set()
 # eps is added to an fp32 mean square: below float32's least subnormal it would be 0 (a zero row
-# then divides by 0), above its largest finite value inf (the reference's y is then 0). Both bounds
-# are float32 values; NaN fails both comparisons.
+# then divides by 0), above its largest finite value inf (the reference's y is then 0). The same
+# range for fp64 inputs (the reference adds eps in fp32). Both bounds are float32 values; NaN fails
+# both comparisons.
 EPS_MIN = 2.0**-149
 EPS_MAX = float(torch.finfo(torch.float32).max)
+
+
+def _as_float(value) -> float:
+    """A real number as a Python float (inf past float's range), so that the bounds are compared as
+    doubles: numpy 2 would compare an ``np.float16`` against them in float16 (0 and inf)."""
+    try:
+        return float(value)
+    except OverflowError:
+        return float("inf") if value > 0 else float("-inf")
 
 
 def check_options(eps, cast, residual_rounding="fp32_sum", residual_dtype=None) -> None:
@@ -75,7 +114,7 @@ def check_options(eps, cast, residual_rounding="fp32_sum", residual_dtype=None) 
             return
     except TypeError:  # an unhashable option: the checks below name it
         pass
-    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not EPS_MIN <= eps <= EPS_MAX:
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not EPS_MIN <= _as_float(eps) <= EPS_MAX:
         raise ValueError(f"eps must be a finite number > 0 that float32 holds ({EPS_MIN:.2g} to {EPS_MAX:.3g}), "
                          f"got {eps!r}")
     if not isinstance(cast, str) or cast not in CASTS:
