@@ -267,10 +267,17 @@ def test_forward_in_place(dtype):
 
 
 def test_forward_rows_zero():
+    # No rows: no launch (a zero-size grid is an error), nothing written, for the forward and the
+    # backward, whose dweight is then zero (the sum over no rows).
     x = torch.empty(0, 7168, dtype=torch.bfloat16)
     y = torch.empty_like(x)
     launch.forward(x, x.clone(), weight_of(7168, torch.Generator()), EPS, False, False, y, torch.empty_like(x),
                    torch.empty(0))
+    assert y.shape == (0, 7168)
+    dweight = torch.full((7168,), float("nan"))
+    launch.backward(x, x, None, weight_of(7168, torch.Generator()), torch.empty(0), None, False, torch.empty_like(x),
+                    None, dweight)
+    assert bool((dweight == 0).all())
 
 
 def test_width_one_rows_with_any_last_stride():
