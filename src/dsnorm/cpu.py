@@ -770,6 +770,39 @@ def _backward_block(
             _store_row(dres_addr, row * dres_stride, res_code, g, n)
 
 
+@njit(cache=_CACHE)
+def _backward_share(
+    t, nthreads, rows, n, block_rows, scratch, partials,
+    dy_addr, dy_stride, x_addr, x_stride, x_code, res_addr, res_stride, res_code,
+    w_addr, rstd_addr, dro_addr, dro_stride, dro_code,
+    dx_addr, dx_stride, dres_addr, dres_stride, round_first,
+):
+    """Thread ``t``'s share of the backward's first phase: its consecutive run of the fixed row
+    blocks (fixed by ``(rows, block_rows)``; threads only decide who computes which block), with its
+    own scratch row."""
+    nblocks = partials.shape[0]
+    buf = scratch[t, :n]
+    g = scratch[t, n:]
+    for b in range(nblocks * t // nthreads, nblocks * (t + 1) // nthreads):
+        _backward_block(
+            b * block_rows, min(rows, (b + 1) * block_rows), n, buf, g, partials[b],
+            dy_addr, dy_stride, x_addr, x_stride, x_code, res_addr, res_stride, res_code,
+            w_addr, rstd_addr, dro_addr, dro_stride, dro_code,
+            dx_addr, dx_stride, dres_addr, dres_stride, round_first,
+        )
+
+
+@njit(cache=_CACHE)
+def _dweight_columns(partials, dweight, j0, j1):
+    """dweight[j0:j1], each column summed over the blocks in block order: deterministic dweight."""
+    nblocks = partials.shape[0]
+    for j in range(j0, j1):
+        total = partials[0, j]
+        for b in range(1, nblocks):
+            total += partials[b, j]
+        dweight[j] = total
+
+
 @njit(cache=_CACHE, parallel=True)
 def _backward_kernel(
     rows, n, block_rows, scratch, partials, dweight,
@@ -778,25 +811,15 @@ def _backward_kernel(
     dx_addr, dx_stride, dres_addr, dres_stride, round_first,
 ):
     nthreads = scratch.shape[0]
-    nblocks = partials.shape[0]
-    # Blocks are fixed by (rows, block_rows); threads only decide who computes which block.
     for t in prange(nthreads):
-        buf = scratch[t, :n]
-        g = scratch[t, n:]
-        for b in range(nblocks * t // nthreads, nblocks * (t + 1) // nthreads):
-            _backward_block(
-                b * block_rows, min(rows, (b + 1) * block_rows), n, buf, g, partials[b],
-                dy_addr, dy_stride, x_addr, x_stride, x_code, res_addr, res_stride, res_code,
-                w_addr, rstd_addr, dro_addr, dro_stride, dro_code,
-                dx_addr, dx_stride, dres_addr, dres_stride, round_first,
-            )
-    # Fixed block order for every column: deterministic dweight.
+        _backward_share(
+            t, nthreads, rows, n, block_rows, scratch, partials,
+            dy_addr, dy_stride, x_addr, x_stride, x_code, res_addr, res_stride, res_code,
+            w_addr, rstd_addr, dro_addr, dro_stride, dro_code,
+            dx_addr, dx_stride, dres_addr, dres_stride, round_first,
+        )
     for t in prange(nthreads):
-        for j in range(n * t // nthreads, n * (t + 1) // nthreads):
-            total = partials[0, j]
-            for b in range(1, nblocks):
-                total += partials[b, j]
-            dweight[j] = total
+        _dweight_columns(partials, dweight, n * t // nthreads, n * (t + 1) // nthreads)
 
 
 @njit(cache=_CACHE)
@@ -806,24 +829,16 @@ def _backward_serial(
     w_addr, rstd_addr, dro_addr, dro_stride, dro_code,
     dx_addr, dx_stride, dres_addr, dres_stride, round_first,
 ):
-    """``_backward_kernel`` on the calling thread: the same blocks and block order, so the same
-    bits, with no launch on numba's pool (a forked child must not touch a GNU OpenMP pool that ran
-    in its parent; and one thread gains nothing from a launch)."""
-    nblocks = partials.shape[0]
-    buf = scratch[0, :n]
-    g = scratch[0, n:]
-    for b in range(nblocks):
-        _backward_block(
-            b * block_rows, min(rows, (b + 1) * block_rows), n, buf, g, partials[b],
-            dy_addr, dy_stride, x_addr, x_stride, x_code, res_addr, res_stride, res_code,
-            w_addr, rstd_addr, dro_addr, dro_stride, dro_code,
-            dx_addr, dx_stride, dres_addr, dres_stride, round_first,
-        )
-    for j in range(n):
-        total = partials[0, j]
-        for b in range(1, nblocks):
-            total += partials[b, j]
-        dweight[j] = total
+    """``_backward_kernel`` on the calling thread: one share holding every block, then every
+    column, so the same bits, with no launch on numba's pool (a forked child must not touch a GNU
+    OpenMP pool that ran in its parent; and one thread gains nothing from a launch)."""
+    _backward_share(
+        0, 1, rows, n, block_rows, scratch, partials,
+        dy_addr, dy_stride, x_addr, x_stride, x_code, res_addr, res_stride, res_code,
+        w_addr, rstd_addr, dro_addr, dro_stride, dro_code,
+        dx_addr, dx_stride, dres_addr, dres_stride, round_first,
+    )
+    _dweight_columns(partials, dweight, 0, n)
 
 
 # ---------------------------------------------------------------------------------------------
