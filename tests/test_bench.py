@@ -413,6 +413,16 @@ def test_measure_returns_a_median_per_runner():
     assert n == 5 and len(calls) == 6 and 0 <= min_s <= median_s
 
 
+def test_rows_of_providers_that_raised_while_timed():
+    # run_case and run_fusion_case both mark them so: unavailable with the error; dsnorm's fails the run.
+    rows = [dict(name=name, role=role, available=True, reason=None, fidelity_ok=True)
+            for name, role in (("reference", "reference"), ("vllm", "peer"), ("dsnorm", "dsnorm"))]
+    bench._mark_failures(rows, {"vllm": "raised while timed: X", "dsnorm": "raised while timed: Y"})
+    assert rows[0] == dict(name="reference", role="reference", available=True, reason=None, fidelity_ok=True)
+    assert (rows[1]["available"], rows[1]["reason"], rows[1]["fidelity_ok"]) == (False, "raised while timed: X", True)
+    assert (rows[2]["available"], rows[2]["reason"], rows[2]["fidelity_ok"]) == (False, "raised while timed: Y", False)
+
+
 def test_dsnorm_that_raises_fails_the_run(monkeypatch):
     def raising(case, inp):
         raise RuntimeError("kernel exploded")

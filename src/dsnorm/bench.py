@@ -1025,6 +1025,16 @@ def _empty_row(name, role, reason=None) -> dict:
     return row
 
 
+def _mark_failures(rows: list, failures: dict) -> None:
+    """Rows whose provider raised while timed (:func:`measure`'s ``failures``): reported unavailable
+    with the error; dsnorm's also fails the run."""
+    for row in rows:
+        if row["name"] in failures:
+            row.update(available=False, reason=failures[row["name"]])
+            if row["role"] == "dsnorm":
+                row["fidelity_ok"] = False
+
+
 def _failed_row(name, role, reason) -> dict:
     # A dsnorm that raises has not met its fidelity criterion: the run must fail, not skip it.
     row = _empty_row(name, role, reason)
@@ -1075,11 +1085,7 @@ def run_case(case: Case, ctx: _Context, settings: Settings, progress: Progress, 
         progress.step(f"{case.name}: verified; timing {len(runners)} providers")
         failures: dict = {}
         medians = measure(runners, settings, ctx.device, failures)
-        for row in rows:  # a provider that raised while timed is reported (dsnorm's fails the run)
-            if row["name"] in failures:
-                row.update(available=False, reason=failures[row["name"]])
-                if row["role"] == "dsnorm":
-                    row["fidelity_ok"] = False
+        _mark_failures(rows, failures)
         if ctx.device.type == "cuda" and not case.backward:
             graphed = {r.name: r for r in runners}
             for row in rows:
@@ -1201,11 +1207,7 @@ def run_fusion_case(fc: dict, ctx: "_Context", settings: Settings, progress: Pro
         failures: dict = {}
         medians = measure([composed, fused], settings, ctx.device, failures)
     if failures:
-        for r in (ref_row, row):
-            if r["name"] in failures:
-                r.update(available=False, reason=failures[r["name"]])
-        if DSNORM in failures:
-            row["fidelity_ok"] = False
+        _mark_failures([ref_row, row], failures)
         return _fusion_case_json(fc, ctx, [ref_row, row])
     base_s = medians[composed.name][0]
     for r, runner in ((ref_row, composed), (row, fused)):
