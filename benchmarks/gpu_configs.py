@@ -1,7 +1,9 @@
 """Launch-configuration sweep for the Triton kernels: the data behind dsnorm.triton.launch's heuristics.
 
-    python benchmarks/gpu_configs.py [--json FILE]      # on a CUDA machine, about 30 s on an H200 before the plain backward
-    # rows were added (an estimated 15-20 s more: 11 more compiles)
+    python benchmarks/gpu_configs.py [--json FILE]      # on a CUDA machine
+
+About 30 s on an H200 before the plain-backward rows were added (11 more compiles: an estimated
+15-20 s more, not yet measured).
 
 For the DeepSeek shapes (bf16; N in 7168, 1536, 512-of-576; decode M=1 and 64, prefill M=16384)
 it times the forward (fused and plain) with every ``num_warps`` in 1..32 that covers the row, and
