@@ -281,6 +281,68 @@ def test_jit_trace_records_a_serialisable_op_in_grad_mode():
     assert all(torch.equal(a, b) for a, b in zip(fused(x, r), m(x, r)))
 
 
+def test_torch_export_keeps_the_ops_and_the_bits(tmp_path):
+    # torch.export is the deployment route (AOTInductor, ExecuTorch): the ops must appear in the
+    # exported graph as themselves (not traced through into aten), survive save / load and
+    # run_decompositions, take a dynamic batch, and give the eager bits and gradients.
+    g = torch.Generator().manual_seed(9)
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(65, 65)
+            self.attn_norm, self.ffn_norm = dsnorm.RMSNorm(65), dsnorm.RMSNorm(65)
+
+        def forward(self, x, residual):
+            h, residual = self.attn_norm(x, residual)
+            return self.ffn_norm(self.lin(h)), residual
+
+    model = Block()
+    with torch.no_grad():
+        model.attn_norm.weight.copy_(torch.rand(65, generator=g) + 0.5)
+    x, r = torch.randn(2, 3, 65, generator=g), torch.randn(2, 3, 65, generator=g)
+    batch = torch.export.Dim("batch")
+    ep = torch.export.export(model, (x, r), dynamic_shapes=({0: batch}, {0: batch}))
+    code = ep.graph_module.code
+    assert "dsnorm.fused_add_rms_norm_fwd" in code and "dsnorm.rms_norm_fwd" in code
+    path = tmp_path / "block.pt2"
+    torch.export.save(ep, str(path))
+    for exported in (ep, torch.export.load(str(path)), ep.run_decompositions()):
+        for rows in (2, 5):
+            xb, rb = torch.randn(rows, 3, 65, generator=g), torch.randn(rows, 3, 65, generator=g)
+            assert all(torch.equal(a, b) for a, b in zip(exported.module()(xb, rb), model(xb, rb)))
+    # Gradients through the exported module equal eager ones (the ops' autograd is registered).
+    xa, ra = x.clone().requires_grad_(), r.clone().requires_grad_()
+    xe, re_ = x.clone().requires_grad_(), r.clone().requires_grad_()
+    exported = ep.module()
+    y, s = exported(xa, ra)
+    (y.sum() + s.pow(2).sum()).backward()
+    y, s = model(xe, re_)
+    (y.sum() + s.pow(2).sum()).backward()
+    assert torch.equal(xa.grad, xe.grad) and torch.equal(ra.grad, re_.grad)
+    assert torch.equal(dict(exported.named_parameters())["attn_norm.weight"].grad, model.attn_norm.weight.grad)
+
+    # The in-place form exports as a mutation of its inputs (functionalised by run_decompositions).
+    class InPlace(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.rand(65, generator=g) + 0.5)
+
+        def forward(self, x, residual):
+            dsnorm.fused_add_rms_norm_(x, residual, self.weight)
+            return x, residual
+
+    xb, rb = x.to(torch.bfloat16), r.to(torch.bfloat16)
+    inplace = InPlace()
+    with torch.no_grad():
+        want = inplace(xb.clone(), rb.clone())
+        ep = torch.export.export(inplace, (xb.clone(), rb.clone()))
+        for exported in (ep, ep.run_decompositions()):
+            xi, ri = xb.clone(), rb.clone()
+            exported.module()(xi, ri)
+            assert torch.equal(xi, want[0]) and torch.equal(ri, want[1])
+
+
 def test_second_derivatives_are_refused_not_wrong():
     # A second derivative through dsnorm's gradients raises by name on every route: autograd.grad
     # with respect to the inputs (not only .backward()), torch.func.grad of grad, and the forward
