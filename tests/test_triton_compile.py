@@ -43,6 +43,8 @@ SCRIPT = textwrap.dedent(
         assert ("cvt.rn.bf16x2.f32" in ptx or "cvt.rn.bf16.f32" in ptx) == bf16, what
         assert "div.full.f32" not in ptx and "div.approx" not in ptx and "sqrt.approx" not in ptx, what
         assert not re.search(r"\b(atom|red)\.", ptx), what  # no atomics anywhere: dweight is deterministic
+        if fp == "f64":  # the mean divides by n widened to fp64 (fp32 is inexact above 2**24 columns)
+            assert "cvt.rn.f64.s32" in ptx and "cvt.rn.f32.s32" not in ptx, what
         print("ok", what, file=sys.stderr)
 
     cases = [

@@ -131,8 +131,9 @@ def _load_s(x_ptrs, r_ptrs, mask, HAS_RESIDUAL: tl.constexpr, ROUND_FIRST: tl.co
 @triton.jit
 def _mean(total, n_cols, CD: tl.constexpr):
     """``total / n`` with IEEE division (``n`` may arrive as the constexpr 1: Triton specialises
-    integer arguments equal to 1, hence the float multiply instead of ``.to``)."""
-    n_f = n_cols * 1.0
+    integer arguments equal to 1, hence the float multiply instead of ``.to``). ``n`` is widened
+    to the compute dtype: ``n * 1.0`` would be fp32, inexact above 2**24 columns in fp64."""
+    n_f = n_cols * tl.full([], 1.0, CD)
     if CD == tl.float32:
         out = tl.math.div_rn(total, n_f)
     else:
