@@ -129,12 +129,12 @@ W64 = torch.rand(64, generator=torch.Generator().manual_seed(64)) + 0.5
         (lambda: dsnorm.rms_norm(X, torch.ones(8, dtype=torch.int64)), TypeError, "weight must be float32"),
         (lambda: dsnorm.rms_norm(X.tolist(), W), TypeError, "x must be a torch.Tensor"),
         (lambda: dsnorm.rms_norm(torch.tensor(1.0), torch.ones(1)), ValueError, "x must have at least one dimension"),
-        (lambda: dsnorm.rms_norm(X, W, eps=0.0), ValueError, "eps must be a finite number > 0"),
+        (lambda: dsnorm.rms_norm(X, W, eps=0.0), ValueError, "eps must be a number > 0"),
         (lambda: dsnorm.rms_norm(X, W, eps=float("nan")), ValueError, "eps must be"),
         (lambda: dsnorm.rms_norm(X, W, eps=-1e-6), ValueError, "eps must be"),
         # fp32 would hold them as 0 (a zero row divides by 0) or inf (the reference's y is then 0)
-        (lambda: dsnorm.rms_norm(X, W, eps=1e-46), ValueError, "eps must be .* that float32 holds"),
-        (lambda: dsnorm.fused_add_rms_norm(X, X, W, eps=1e39), ValueError, "eps must be .* that float32 holds"),
+        (lambda: dsnorm.rms_norm(X, W, eps=1e-46), ValueError, "eps must be .* float32 rounding is nonzero and finite"),
+        (lambda: dsnorm.fused_add_rms_norm(X, X, W, eps=1e39), ValueError, "eps must be .* float32 rounding is nonzero and finite"),
         # compared as doubles: numpy 2 compares a float16 with the bounds in float16 (0 and inf)
         (lambda: dsnorm.rms_norm(X, W, eps=np.float16(0.0)), ValueError, "eps must be"),
         (lambda: dsnorm.RMSNorm(8, eps=np.float16("inf")), ValueError, "eps must be"),
@@ -198,9 +198,11 @@ def test_inplace_writes_inference_tensors_inside_inference_mode():
     assert bits_equal(x, y_ref) and bits_equal(r, res_ref)
 
 
-@pytest.mark.parametrize("eps", [ops.EPS_MIN, 3e-45, ops.EPS_MAX, 1e38])
+@pytest.mark.parametrize("eps", [ops.EPS_MIN, 1e-45, 3e-45, ops.EPS_MAX, 3.4028235e38, 1e38])
 @pytest.mark.parametrize("rows", [2, 4096])
 def test_eps_at_the_ends_of_float32(eps, rows):
+    # Accepted: every value whose float32 rounding is nonzero and finite, including the printed
+    # forms of float32's extremes (1e-45 and 3.4028235e38 round to them).
     # A zero row divides by eps alone: sqrt of a subnormal, and rsqrt of a huge value (y = 0 or subnormal).
     x, r = _rand((rows, 1536), seed=3), _rand((rows, 1536), seed=4)
     x[0], r[0] = 0, 0
@@ -210,6 +212,18 @@ def test_eps_at_the_ends_of_float32(eps, rows):
         y, res = dsnorm.fused_add_rms_norm(x, r, w, eps)
     y_ref, res_ref = fused_add_rms_norm_ref(x, r, w, eps)
     assert bits_equal(y, y_ref) and bits_equal(res, res_ref)
+
+
+@pytest.mark.parametrize("eps", [2.0**-150, 2.0**128 - 2.0**103, 0.0, -1e-6, float("nan"), float("inf")])
+def test_eps_that_float32_rounds_to_zero_or_inf_is_refused(eps):
+    # 2**-150 rounds (to even) to 0 and 2**128 - 2**103 to inf: the first values outside the range.
+    x, w = _rand((2, 64), seed=3), torch.ones(64)
+    for call in (lambda: dsnorm.rms_norm(x, w, eps), lambda: dsnorm.fused_add_rms_norm(x, x.clone(), w, eps),
+                 lambda: torch.ops.dsnorm.rms_norm(x, w, eps, "deepseek"), lambda: dsnorm.RMSNorm(64, eps=eps)):
+        with pytest.raises(ValueError, match="eps must be a number > 0 whose float32 rounding is nonzero and finite"):
+            call()
+    assert float(torch.tensor(ops.EPS_MIN, dtype=torch.float32)) == 2.0**-149
+    assert float(torch.tensor(ops.EPS_MAX, dtype=torch.float32)) == torch.finfo(torch.float32).max
 
 
 def test_inplace_residual_dtype_must_match_the_buffer():

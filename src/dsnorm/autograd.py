@@ -221,7 +221,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = EPS, *, cast: s
         x: ``[..., n]`` float32 / bfloat16 / float16 (float64 is computed in float64); rows may be
             strided (unit stride along the last dimension is read in place).
         weight: ``[n]`` gain; float32 is canonical, bf16/fp16 are widened exactly.
-        eps: added to the mean square; > 0 and finite in float32 (1.4e-45 to 3.4e38).
+        eps: added to the mean square; > 0, with a nonzero finite float32 rounding (about 1.4e-45 to 3.4e38).
         cast: ``"deepseek"`` (reference: fp32 weight times fp32 x̂, one rounding) or ``"hf"``
             (Hugging Face: ``weight.to(x.dtype) * x̂.to(x.dtype)``).
 
@@ -264,7 +264,7 @@ def fused_add_rms_norm(
         residual: ``[..., n]`` residual stream, ``x.dtype`` (or float32 with
             ``residual_dtype=torch.float32``).
         weight: ``[n]`` gain (float32 canonical; bf16/fp16 widened exactly).
-        eps: > 0 and finite in float32 (1.4e-45 to 3.4e38).
+        eps: > 0, with a nonzero finite float32 rounding (about 1.4e-45 to 3.4e38).
         cast: ``"deepseek"`` or ``"hf"`` (see :func:`rms_norm`).
         residual_rounding: ``"fp32_sum"`` (reference: normalise the unrounded sum) or
             ``"round_first"`` (vLLM CUDA / Liger: normalise ``s.to(x.dtype)``).

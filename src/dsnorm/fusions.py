@@ -320,7 +320,7 @@ def rms_norm_fp8(
         x: ``[..., n]`` bfloat16 / float16 / float32, ``n`` a multiple of ``block_size``; rows may
             be strided (unit stride along n).
         weight: ``[n]`` gain (float32 canonical; bf16/fp16 widened exactly).
-        eps: > 0 and finite in float32 (1.4e-45 to 3.4e38).
+        eps: > 0, with a nonzero finite float32 rounding (about 1.4e-45 to 3.4e38).
         scale_fmt: ``None`` (fp32 scales, ``act_quant``'s default) or ``"ue8m0"`` (power-of-two
             scales: the 671B config's ``"scale_fmt": "ue8m0"``).
         block_size: columns per scale, a power of two in [16, 4096] (128 in DeepSeek).
@@ -408,7 +408,7 @@ def final_norm(
         h: ``[B, T, d]`` bfloat16 / float16 / float32 / float64 (the last block's output).
         residual: ``[B, T, d]`` residual stream in ``h.dtype``.
         weight: ``[d]`` gain (float32 canonical).
-        eps: > 0 and finite in float32 (1.4e-45 to 3.4e38).
+        eps: > 0, with a nonzero finite float32 rounding (about 1.4e-45 to 3.4e38).
         last_only: ``True`` (default): position ``T - 1`` (or ``lengths - 1``) only; ``False``: the
             full norm over all T positions.
         lengths: optional integer ``[B]`` tensor on h's device, values in ``[1, T]``: row b's last
@@ -473,7 +473,7 @@ def mla_latent_norms(
         kv_a: ``[..., kv_lora_rank + rope_dim]`` (512 + 64), ``wkv_a(x)``; same dtype and leading
             shape as ``q_latent``.
         q_weight: ``[q_lora_rank]`` gain; kv_weight: ``[kv_lora_rank]`` gain (float32 canonical).
-        eps: > 0 and finite in float32 (1.4e-45 to 3.4e38).
+        eps: > 0, with a nonzero finite float32 rounding (about 1.4e-45 to 3.4e38).
 
     Returns:
         ``(q_normed, kv_normed)``: new contiguous tensors ``[..., q_lora_rank]`` and

@@ -23,6 +23,7 @@ CUDA key the Triton kernels (:mod:`dsnorm.triton.launch`, imported on first CUDA
 
 from __future__ import annotations
 
+import math
 import numbers
 import os
 import sys
@@ -90,12 +91,14 @@ if hasattr(os, "register_at_fork"):
 # case is kept to a few attribute reads.
 
 _OPTIONS_OK: set = set()
-# eps is added to an fp32 mean square: below float32's least subnormal it would be 0 (a zero row
-# then divides by 0), above its largest finite value inf (the reference's y is then 0). The same
-# range for fp64 inputs (the reference adds eps in fp32). Both bounds are float32 values; NaN fails
-# both comparisons.
-EPS_MIN = 2.0**-149
-EPS_MAX = float(torch.finfo(torch.float32).max)
+# eps is added to an fp32 mean square, as a Python float rounded to float32 (torch does that with
+# ``var + eps``): accepted is every value whose float32 rounding is nonzero and finite. Below, it
+# would be 0 (a zero row then divides by 0); above, inf (the reference's y is then 0). The bounds
+# are the doubles at the ends of that range (1e-45 rounds up to float32's least subnormal,
+# 3.4028235e38, the usual printed form of its largest value, rounds down to it). The same range
+# for fp64 inputs, which add eps unrounded in fp64. NaN fails both comparisons.
+EPS_MIN = math.nextafter(2.0**-150, math.inf)
+EPS_MAX = math.nextafter(2.0**128 - 2.0**103, 0.0)
 
 
 def _as_float(value) -> float:
@@ -115,8 +118,8 @@ def check_options(eps, cast, residual_rounding="fp32_sum", residual_dtype=None) 
     except TypeError:  # an unhashable option: the checks below name it
         pass
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not EPS_MIN <= _as_float(eps) <= EPS_MAX:
-        raise ValueError(f"eps must be a finite number > 0 that float32 holds ({EPS_MIN:.2g} to {EPS_MAX:.3g}), "
-                         f"got {eps!r}")
+        raise ValueError(f"eps must be a number > 0 whose float32 rounding is nonzero and finite (about 1.4e-45 "
+                         f"to 3.4e38), got {eps!r}")
     if not isinstance(cast, str) or cast not in CASTS:
         raise ValueError(f"cast must be one of {CASTS}, got {cast!r}")
     if not isinstance(residual_rounding, str) or residual_rounding not in RESIDUAL_ROUNDINGS:
