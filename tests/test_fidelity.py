@@ -80,6 +80,26 @@ def test_non_unit_inner_stride_and_uncollapsible_rows():
         assert_y_close(dsnorm.rms_norm(x, w), rms_norm_ref(x, w), 128)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_rows_without_unit_stride_take_the_bits_of_a_contiguous_copy(dtype):
+    # x.t(): the last dimension is not unit-stride. dsnorm reads such a tensor through a contiguous
+    # copy and gives that copy's reference bits; the reference on the permuted layout itself sums
+    # across the strided dimension in another order (ATen's outer-sum path), so there it is held
+    # to the tolerance of a different summation order (README, "Fidelity").
+    x, r, w = _data((512, 40), dtype, 14).t(), _data((512, 40), dtype, 15).t(), _weight(512)
+    assert x.stride() == (1, 40)
+    assert bits_equal(dsnorm.rms_norm(x, w), rms_norm_ref(x.contiguous(), w))
+    y, res = dsnorm.fused_add_rms_norm(x, r, w)
+    y_ref, res_ref = fused_add_rms_norm_ref(x.contiguous(), r.contiguous(), w)
+    assert bits_equal(y, y_ref) and bits_equal(res, res_ref)
+    for ours, theirs in ((dsnorm.rms_norm(x, w), rms_norm_ref(x, w)), (y, fused_add_rms_norm_ref(x, r, w)[0])):
+        if dtype == torch.float32:
+            torch.testing.assert_close(ours, theirs, rtol=4e-6, atol=0)
+        else:
+            assert max_ulp(ours, theirs) <= 1
+    assert bits_equal(res, fused_add_rms_norm_ref(x, r, w)[1])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("cast", ["deepseek", "hf"])
 @pytest.mark.parametrize("rounding", ["fp32_sum", "round_first"])

@@ -311,7 +311,9 @@ def rms_norm_fp8(
     """``q, s = act_quant(y)`` with ``y = (weight * (x * rsqrt(mean(x^2) + eps))).to(x.dtype)``.
 
     The norm and DeepSeek's per-row fp8 block quantisation of the next Linear's input in one pass:
-    bitwise ``act_quant_ref(rms_norm(x, weight, eps), block_size, scale_fmt)``. The quantisation
+    bitwise ``act_quant_ref(rms_norm(x, weight, eps), block_size, scale_fmt)`` on the CPU (on CUDA
+    ``y`` is within the GPU tolerance of README's "Fidelity", and ``q``, ``scales`` are those of
+    that ``y``). The quantisation
     reads ``y`` rounded to ``x.dtype`` (what the two-step model computes). Inference only: forward,
     DeepSeek cast order (``cast`` other than ``"deepseek"`` is refused by name); tensors requiring
     grad (grad mode on) are refused.
@@ -322,7 +324,8 @@ def rms_norm_fp8(
         weight: ``[n]`` gain (float32 canonical; bf16/fp16 widened exactly).
         eps: > 0, with a nonzero finite float32 rounding (about 1.4e-45 to 3.4e38).
         scale_fmt: ``None`` (fp32 scales, ``act_quant``'s default) or ``"ue8m0"`` (power-of-two
-            scales: the 671B config's ``"scale_fmt": "ue8m0"``).
+            scales). The V3.2-Exp 671B config sets ``"scale_fmt": "ue8m0"`` and its Linears use it:
+            pass ``"ue8m0"`` to reproduce that model.
         block_size: columns per scale, a power of two in [16, 4096] (128 in DeepSeek).
         return_normed: also return ``y``.
 
@@ -357,7 +360,7 @@ def fused_add_rms_norm_fp8(
     ``q, scales = act_quant(y)``.
 
     Bitwise ``act_quant_ref(y)`` with ``y, residual_out = fused_add_rms_norm(x, residual, weight,
-    eps)``. Inference only: forward, DeepSeek cast order and the default residual options (the
+    eps)`` on the CPU (on CUDA as :func:`rms_norm_fp8` says). Inference only: forward, DeepSeek cast order and the default residual options (the
     unrounded fp32 sum is normalised, the residual is in ``x.dtype``): other ``cast`` /
     ``residual_rounding`` / ``residual_dtype`` values are refused by name; tensors requiring grad
     are refused.
@@ -400,7 +403,8 @@ def final_norm(
     at the last (valid) position of each sequence only.
 
     The model's final norm feeds ``head(h[:, -1])``: normalising only that position is bitwise
-    ``fused_add_rms_norm(h, residual, weight, eps)[i][:, -1]`` for ``i = 0, 1`` at ~1/T of the work.
+    ``fused_add_rms_norm(h, residual, weight, eps)[i][:, -1]`` for ``i = 0, 1`` at ~1/T of the work
+    on the CPU (on CUDA: the residual bitwise, ``y`` within the GPU tolerance of README's "Fidelity").
     Inference only: forward, DeepSeek cast order, default residual options; tensors requiring grad
     are refused.
 
@@ -462,7 +466,9 @@ def mla_latent_norms(
     """``q_norm(q_latent)`` and ``kv_norm(kv_a[..., :r])``, ``r = kv_weight.shape[0]``, each
     ``y = (weight * (x * rsqrt(mean(x^2) + eps))).to(x.dtype)``, in one kernel launch.
 
-    Bitwise ``(rms_norm(q_latent, q_weight, eps), rms_norm(kv_a[..., :r], kv_weight, eps))``. The
+    Bitwise ``(rms_norm(q_latent, q_weight, eps), rms_norm(kv_a[..., :r], kv_weight, eps))`` on the
+    CPU; on CUDA each within the GPU tolerance of README's "Fidelity" (one launch for both rows
+    may reduce in another order than two). The
     kv slice is read in place (strided rows, no copy); ``kv_a`` is not written, so its rotary
     columns ``[r:]`` are untouched. Inference only: forward, DeepSeek cast order; tensors requiring
     grad are refused.
