@@ -3,6 +3,7 @@ bad input, the in-place form and concurrency."""
 
 import subprocess
 import sys
+import textwrap
 import threading
 
 import numpy as np
@@ -616,3 +617,40 @@ def test_compiled_inplace_refuses_two_views_of_one_buffer(dynamic):
         y_ref, res_ref = fused_add_rms_norm_ref(x, r, W64)
         compiled(x, r)
     assert bits_equal(x, y_ref) and bits_equal(r, res_ref)
+
+
+COMPILE_FIRST_SCRIPT = textwrap.dedent(
+    """
+    import torch, dsnorm
+    from dsnorm import fusions, ops
+    assert ops.lane is None and fusions._mla_lane is None  # nothing ran eagerly in this process
+    w = torch.rand(128) + 0.5
+    norm = dsnorm.RMSNorm(128)
+    calls = {
+        "module": lambda x, r: norm(x, r),
+        "rms_norm": lambda x, r: dsnorm.rms_norm(x, w),
+        "fused_add_rms_norm": lambda x, r: dsnorm.fused_add_rms_norm(x, r, w),
+        "fused_add_rms_norm_": lambda x, r: dsnorm.fused_add_rms_norm_(x, r, w),
+        "mla_latent_norms": lambda x, r: dsnorm.mla_latent_norms(x, torch.cat([r, r[..., :64]], -1), w, w),
+    }
+    x = torch.randn(4, 1, 128, dtype=torch.bfloat16)
+    r = torch.randn_like(x)
+    with torch.inference_mode():
+        for name, call in calls.items():
+            compiled = torch.compile(call, fullgraph=True, backend="aot_eager")
+            compiled(x.clone(), r.clone())
+            with torch.compiler.set_stance("fail_on_recompile"):
+                compiled(x.clone(), r.clone())
+            print("ok", name)
+    """
+)
+
+
+def test_compiling_before_any_eager_call_needs_no_recompile():
+    # Dynamo guarded on the lane being unloaded (ops.lane is None); the compiled graph's own op call
+    # then loaded it, so the second call with the same inputs recompiled (and raised under the
+    # fail_on_recompile stance a server sets after warm-up). The lane is not read while compiling.
+    done = subprocess.run([sys.executable, "-c", COMPILE_FIRST_SCRIPT], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split("\n")[:-1] == [f"ok {n}" for n in ("module", "rms_norm", "fused_add_rms_norm",
+                                                                "fused_add_rms_norm_", "mla_latent_norms")]

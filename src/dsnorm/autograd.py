@@ -142,6 +142,11 @@ class FusedAddRMSNormFunction(torch.autograd.Function):
 # Python op (not serialisable by torch.jit.save) in grad mode and the plain op under no_grad, where
 # jit.trace's check re-runs the model: "Graphs differed across invocations".
 _jit_tracing = torch._C._get_tracing_state
+# The public functions read ops.lane only when dynamo is not tracing: dynamo would guard on the
+# lane being unloaded, and the compiled graph's own op call loads it, so the second call would
+# recompile (and raise under torch.compiler.set_stance("fail_on_recompile")). Dynamo folds this
+# call to True without a guard; eagerly it costs ~50 ns.
+_is_compiling = ops._is_compiling
 torch.library.register_autograd(
     "dsnorm::rms_norm_fwd", lambda ctx, dy, _drstd: _plain_backward("rms_norm_fwd", ctx, dy),
     setup_context=_plain_setup, lib=ops.lib)
@@ -228,7 +233,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = EPS, *, cast: s
     Returns:
         ``y``: ``[..., n]`` in ``x.dtype``, contiguous.
     """
-    lane = ops.lane
+    lane = None if _is_compiling() else ops.lane  # see _is_compiling's comment
     if lane is not None:
         y = lane(0, x, None, weight, eps, cast, None, None)  # 0: ops.LANE_PLAIN
         if y is not None:
@@ -275,7 +280,7 @@ def fused_add_rms_norm(
         ``(y, residual_out)``: ``y`` in ``x.dtype``; ``residual_out = s`` in ``residual_dtype``
         (``x.dtype`` by default), both fresh contiguous ``[..., n]`` tensors.
     """
-    lane = ops.lane
+    lane = None if _is_compiling() else ops.lane
     if lane is not None:
         out = lane(1, x, residual, weight, eps, cast, residual_rounding, residual_dtype)  # 1: ops.LANE_FUSED
         if out is not None:
@@ -325,7 +330,7 @@ def fused_add_rms_norm_(
     Returns:
         ``(x, residual)``, the same tensor objects.
     """
-    lane = ops.lane
+    lane = None if _is_compiling() else ops.lane
     if lane is not None:
         out = lane(2, x, residual, weight, eps, cast, residual_rounding, residual_dtype)  # 2: ops.LANE_INPLACE
         if out is not None:

@@ -485,9 +485,10 @@ def mla_latent_norms(
         ``(q_normed, kv_normed)``: new contiguous tensors ``[..., q_lora_rank]`` and
         ``[..., kv_lora_rank]`` in the inputs' dtype.
     """
-    out = (_mla_lane or _load_mla_lane())(q_latent, kv_a, q_weight, kv_weight, eps, cast)
-    if out is not None:  # a decode call on the CPU that needs only the kernel
-        return out
+    if not ops._is_compiling():  # not under dynamo: see autograd._is_compiling
+        out = (_mla_lane or _load_mla_lane())(q_latent, kv_a, q_weight, kv_weight, eps, cast)
+        if out is not None:  # a decode call on the CPU that needs only the kernel
+            return out
     wq = _compute_weight(q_weight, q_latent, "q_weight", "q_latent")
     wkv = _compute_weight(kv_weight, q_latent, "kv_weight", "q_latent")
     if not isinstance(kv_a, torch.Tensor):

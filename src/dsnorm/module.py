@@ -17,7 +17,7 @@ from torch.nn.modules.module import (
 
 from dsnorm import ops
 from dsnorm.autograd import fused_add_rms_norm, rms_norm
-from dsnorm.ops import check_options
+from dsnorm.ops import _is_compiling, check_options
 from dsnorm.ref import EPS
 
 _module_call = nn.Module.__call__  # to notice a tool patching it (FX, quantization), never called
@@ -85,8 +85,10 @@ class RMSNorm(nn.Module):
             kwargs or self._forward_pre_hooks or self._forward_hooks or self._backward_pre_hooks
             or self._backward_hooks or _global_forward_pre_hooks or _global_forward_hooks
             or _global_backward_pre_hooks or _global_backward_hooks
-            or self._compiled_call_impl is not None
+            or self._compiled_call_impl is not None or _is_compiling()
         ):
+            # Not read while dynamo traces: it would guard on the lane being unloaded, which the
+            # compiled graph's own op call then changes (a recompile on the second call).
             lane = ops.lane
             nargs = len(args)
             if (
