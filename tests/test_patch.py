@@ -90,6 +90,25 @@ def test_patch_then_load_norms_from_hf_checkpoint(tmp_path, ids):
     assert torch.equal(logits(model, ids), before)
 
 
+def test_gains_holding_nan_or_inf_are_patched(tmp_path, ids):
+    # A model built on the meta device and materialised with to_empty holds whatever memory had
+    # (NaN and inf included) until the checkpoint is loaded; load_norms' docstring has users patch
+    # it then. The probe counted dsnorm's NaN-for-NaN output as a difference and left such norms.
+    model = tiny_deepseek_v3()
+    before = logits(model, ids)
+    norms = {k: v.contiguous() for k, v in model.state_dict().items() if "layernorm" in k or k == "model.norm.weight"}
+    save_file(norms, str(tmp_path / "model.safetensors"))
+    garbage = torch.tensor([float("nan"), float("inf"), -float("inf"), 3e38, 1e-40, 0.0])
+    with torch.no_grad():
+        for m in model.modules():
+            if type(m).__name__ == "DeepseekV3RMSNorm":
+                m.weight.copy_(garbage.repeat(m.weight.numel() // 6 + 1)[: m.weight.numel()].to(m.weight.dtype))
+    rep = patch(model)
+    assert len(rep.replaced) == 13 and not rep.left, str(rep)
+    assert len(load_norms(model, tmp_path).loaded) == 13
+    assert torch.equal(logits(model, ids), before)
+
+
 class RMSNorm(RMSNormRef):
     """The reference class under its reference name (inference/model.py's ``RMSNorm``)."""
 
