@@ -410,6 +410,21 @@ def test_load_norms_exact(tmp_path, naming):
     assert "loaded 13 norm gain(s)" in str(rep)
 
 
+def test_load_norms_follows_the_index_over_a_stale_copy(tmp_path):
+    # A norm stored in two shards: the index names the one to load (as HF's loaders read it); the
+    # first shard in file order used to win.
+    t = tensors(HF_MAIN)
+    stale = {k: torch.zeros_like(v) for k, v in t.items() if k == "model.norm.weight"}
+    save_file(stale, str(tmp_path / "a.safetensors"))
+    save_file(t, str(tmp_path / "b.safetensors"))
+    weight_map = {k: "b.safetensors" for k in t}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map | {"x": "a.safetensors"}}))
+    model = _RefModel()
+    rep = load_norms(model, tmp_path)
+    assert len(rep.loaded) == 13
+    assert torch.equal(model.norm.weight, t["model.norm.weight"].float())
+
+
 def test_load_norms_fp16_and_fp32(tmp_path):
     for dtype in (torch.float16, torch.float32):
         t = hf_checkpoint(tmp_path / str(dtype), dtype=dtype)

@@ -697,8 +697,13 @@ def load_norms(model, path: Union[str, os.PathLike]) -> LoadReport:
     files = resolve_checkpoint(path)
     headers = [read_header(f) for f in files.files]
     tensors: dict = {}
+    listed = {name: os.path.realpath(f) for name, f in (files.weight_map or {}).items()}
     for h in headers:
         for name, info in h.tensors.items():
+            # A tensor the index maps to another shard is a stale copy there: loaders follow the
+            # index (count_norms reports the mismatch).
+            if name in listed and os.path.realpath(info.file) != listed[name]:
+                continue
             # Model-parallel replicas: rank 0's copy (files are ordered by rank).
             tensors.setdefault(name, info)
     votes = {"huggingface": 0, "reference": 0}
