@@ -247,6 +247,9 @@ def test_a_provider_that_raises_while_timed_is_dropped_not_fatal():
 @pytest.mark.parametrize("argv, message", [
     (["--providers", "F.rms_nrom"], "unknown provider"),
     (["--json", "/nonexistent/dir/x.json"], "no such directory"),
+    (["--json", "/tmp"], "is a directory"),
+    (["--plot", "/tmp"], "is a directory"),
+    (["--providers", ","], "names no provider"),
     (["--threads", "100000"], "NUMBA_NUM_THREADS"),
 ])
 def test_unusable_requests_exit_2_before_the_run(argv, message):

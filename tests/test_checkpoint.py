@@ -250,6 +250,10 @@ def test_expectation_sources(tmp_path, capsys):
     assert cli.main(["count", str(tmp_path), "--json", str(jpath)]) == 1
     data = json.loads(jpath.read_text())
     assert data["config"]["dim"] == 7168 and data["totals"]["rmsnorm_instances_expected"] == 245
+    capsys.readouterr()
+    assert cli.main(["count", str(tmp_path), "--json", str(tmp_path)]) == 2  # a directory: refused first
+    out, err = capsys.readouterr()
+    assert out == "" and "is a directory" in err
 
 
 def test_a_named_config_wins_over_the_one_beside_the_checkpoint(tmp_path, capsys):

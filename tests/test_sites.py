@@ -195,6 +195,10 @@ def test_cli_markdown_json_site_and_config(tmp_path, capsys):
     assert "unknown site 'nope'" in capsys.readouterr().err
     assert cli.main(["sites", "--config", str(tmp_path / "missing.json")]) == 2
     assert "missing.json" in capsys.readouterr().err
+    for bad, why in ((tmp_path, "is a directory"), (tmp_path / "no" / "x.json", "no such directory")):
+        assert cli.main(["sites", "--json", str(bad)]) == 2  # refused before anything is printed
+        out, err = capsys.readouterr()
+        assert out == "" and why in err
 
 
 def test_cli_subprocess():

@@ -71,6 +71,7 @@ import torch
 
 import dsnorm
 from dsnorm.ref import EPS, RMSNormRef, rms_norm_backward_ref
+from dsnorm.sites import output_path_problem
 
 # DeepSeek-V3.2-Exp widths: hidden size, query latent (q_lora_rank), key-value latent
 # (kv_lora_rank) and the row it is sliced from (kv_lora_rank + qk_rope_head_dim).
@@ -1472,7 +1473,10 @@ def run(args: argparse.Namespace) -> int:
                   f"(NUMBA_NUM_THREADS={numba.config.NUMBA_NUM_THREADS}), which dsnorm's kernels run on; "
                   f"set NUMBA_NUM_THREADS={args.threads} in the environment first", file=sys.stderr)
             return 2
-    only = {p.strip() for p in args.providers.split(",")} if args.providers else None
+    only = {p.strip() for p in args.providers.split(",") if p.strip()} if args.providers is not None else None
+    if only is not None and not only:
+        print(f"dsnorm bench: --providers {args.providers!r} names no provider", file=sys.stderr)
+        return 2
     known = [name for name, _ in PROVIDERS]
     unknown = sorted((only or set()) - set(known) - {"none"})
     if unknown:
@@ -1484,8 +1488,9 @@ def run(args: argparse.Namespace) -> int:
         print("dsnorm bench: --plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
         return 2
     for option, path in (("--json", None if args.json == "-" else args.json), ("--plot", args.plot)):
-        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path)) or "."):
-            print(f"dsnorm bench: {option} {path}: no such directory", file=sys.stderr)
+        problem = output_path_problem(path) if path else None
+        if problem:
+            print(f"dsnorm bench: {option} {path}: {problem}", file=sys.stderr)
             return 2
     cases = default_cases(args.backward, QUICK_TOKENS if args.quick else PREFILL_TOKENS)
     fusions = None

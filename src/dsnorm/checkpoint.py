@@ -34,6 +34,7 @@ from dsnorm.sites import (
     ModelConfig,
     enumerate_sites,
     load_config,
+    output_path_problem,
     read_json_file,
 )
 
@@ -778,7 +779,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run ``dsnorm count``: 0 when the checkpoint matches, 1 on mismatches, 2 on unreadable input."""
+    """Run ``dsnorm count``: 0 when the checkpoint matches, 1 on mismatches, 2 on unreadable input
+    or an unwritable ``--json`` path (refused before the checkpoint is read)."""
+    problem = output_path_problem(args.json) if args.json and args.json != "-" else None
+    if problem:
+        print(f"dsnorm count: error: --json {args.json}: {problem}", file=sys.stderr)
+        return 2
     try:
         rep = count_norms(args.path, args.config)
     except (ValueError, TypeError) as e:

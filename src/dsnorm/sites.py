@@ -172,6 +172,18 @@ def config_from_dict(d: dict, source: str = "<dict>") -> ModelConfig:
     )
 
 
+def output_path_problem(path: str) -> Optional[str]:
+    """Why a file cannot be written at ``path`` (the CLIs check before their work, not after it), or None."""
+    if os.path.isdir(path):
+        return "is a directory (name a file)"
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        return "no such directory"
+    if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        return "not writable"
+    return None
+
+
 def read_json_file(path: str, what: str = "JSON file", max_bytes: int = MAX_CONFIG_BYTES) -> Any:
     """Parse a small JSON file, refusing files over ``max_bytes`` (error messages name ``path``)."""
     try:
@@ -671,6 +683,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``dsnorm sites``; returns the exit status (2 on a bad config or site name)."""
+    problem = output_path_problem(args.json) if args.json and args.json != "-" else None
+    if problem:
+        print(f"dsnorm sites: error: --json {args.json}: {problem}", file=sys.stderr)
+        return 2
     try:
         cfg = load_config(args.config)
         text = render_page(cfg, args.site, args.markdown) if args.site else render_table(cfg, args.markdown)
