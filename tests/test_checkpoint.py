@@ -461,6 +461,13 @@ def test_load_norms_refuses_meta_parameters(tmp_path):
         load_norms(model, tmp_path)
     model = model.to_empty(device="cpu")
     assert len(load_norms(model, tmp_path).loaded) == 13
+    # A meta-built model that patch left alone (it cannot check meta norms) is told the order.
+    with torch.device("meta"):
+        hf_like = torch.nn.Sequential(torch.nn.RMSNorm(16))
+    rep = dsnorm.patch(hf_like)
+    assert not rep.replaced and "to_empty" in rep.left[0].reason
+    with pytest.raises(ValueError, match=r"no dsnorm.RMSNorm modules.*meta device.*to_empty.*then patch, then load_norms"):
+        load_norms(hf_like, tmp_path)
 
 
 def test_load_norms_all_or_nothing(tmp_path):

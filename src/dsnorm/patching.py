@@ -15,6 +15,10 @@ module. Norms dsnorm cannot reproduce are left in place and reported: Gemma-styl
 gains, norms without a weight, multi-dimensional normalised shapes, ``torch.nn.RMSNorm`` off CPU (a
 fused kernel of its own order), unknown implementations. Each replacement is also checked on probe
 inputs against the module it replaces, and left alone if any output bit differs.
+
+"Bit for bit" covers bf16, fp16 and fp32 activations. fp64 activations are computed in fp64 by
+dsnorm (its one departure from the reference), where the reference and Hugging Face narrow x̂ to
+fp32: a patched model run in fp64 (``model.double()``) is more accurate, not bitwise the same.
 """
 
 from __future__ import annotations
@@ -92,7 +96,8 @@ def _weight_1d(module: nn.Module) -> torch.Tensor:
     if w.dim() != 1:
         raise _Leave(f"weight is {w.dim()}-D {list(w.shape)}: dsnorm normalises over the last axis only")
     if w.is_meta:
-        raise _Leave("weight is on the meta device (no values to keep or check)")
+        raise _Leave("weight is on the meta device (no values to keep or check): materialise the model "
+                     "first (model.to_empty(device=...)), then patch, then load_norms")
     if w.dtype not in _EXACT_WEIGHT_DTYPES:
         raise _Leave(f"weight is {w.dtype}: only bf16/fp16/fp32 gains are kept exactly in dsnorm's fp32 weight")
     return w
