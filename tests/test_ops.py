@@ -632,13 +632,15 @@ COMPILE_FIRST_SCRIPT = textwrap.dedent(
         "fused_add_rms_norm": lambda x, r: dsnorm.fused_add_rms_norm(x, r, w),
         "fused_add_rms_norm_": lambda x, r: dsnorm.fused_add_rms_norm_(x, r, w),
         "mla_latent_norms": lambda x, r: dsnorm.mla_latent_norms(x, torch.cat([r, r[..., :64]], -1), w, w),
+        "fp32 stream in place": lambda x, r: dsnorm.fused_add_rms_norm_(x, r.float(), w, residual_dtype=torch.float32),
     }
     x = torch.randn(4, 1, 128, dtype=torch.bfloat16)
     r = torch.randn_like(x)
     with torch.inference_mode():
-        for name, call in calls.items():
+        for i, (name, call) in enumerate(calls.items()):
             compiled = torch.compile(call, fullgraph=True, backend="aot_eager")
             compiled(x.clone(), r.clone())
+            dsnorm.RMSNorm(8, eps=1e-5 * (i + 1))  # eager options never checked before
             with torch.compiler.set_stance("fail_on_recompile"):
                 compiled(x.clone(), r.clone())
             print("ok", name)
@@ -649,8 +651,10 @@ COMPILE_FIRST_SCRIPT = textwrap.dedent(
 def test_compiling_before_any_eager_call_needs_no_recompile():
     # Dynamo guarded on the lane being unloaded (ops.lane is None); the compiled graph's own op call
     # then loaded it, so the second call with the same inputs recompiled (and raised under the
-    # fail_on_recompile stance a server sets after warm-up). The lane is not read while compiling.
+    # fail_on_recompile stance a server sets after warm-up). The lane is not read while compiling,
+    # nor the cache of accepted options (eager calls with new options grew it: a recompile too).
     done = subprocess.run([sys.executable, "-c", COMPILE_FIRST_SCRIPT], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split("\n")[:-1] == [f"ok {n}" for n in ("module", "rms_norm", "fused_add_rms_norm",
-                                                                "fused_add_rms_norm_", "mla_latent_norms")]
+                                                                "fused_add_rms_norm_", "mla_latent_norms",
+                                                                "fp32 stream in place")]

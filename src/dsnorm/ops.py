@@ -111,9 +111,12 @@ def _as_float(value) -> float:
 
 
 def check_options(eps, cast, residual_rounding="fp32_sum", residual_dtype=None) -> None:
+    # The cache of accepted options is not touched while dynamo traces: it would guard on the set's
+    # contents, and any later eager call with new options would then make compiled code recompile.
+    cached = not _is_compiling()
     key = (type(eps), eps, cast, residual_rounding, residual_dtype)
     try:
-        if key in _OPTIONS_OK:
+        if cached and key in _OPTIONS_OK:
             return
     except TypeError:  # an unhashable option: the checks below name it
         pass
@@ -131,7 +134,7 @@ def check_options(eps, cast, residual_rounding="fp32_sum", residual_dtype=None) 
             "residual_rounding='round_first' with residual_dtype=torch.float32 is contradictory: "
             "round_first rounds the residual stream to x.dtype; use residual_dtype=None"
         )
-    if len(_OPTIONS_OK) < 1024:
+    if cached and len(_OPTIONS_OK) < 1024:
         _OPTIONS_OK.add(key)
 
 
