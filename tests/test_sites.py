@@ -230,3 +230,19 @@ def test_moe_layer_freq_alternates_blocks():
 def test_mtp_block_attn_norm_is_plain():
     mtp = {s.key: s for s in enumerate_sites(load_config()) if s.group == "mtp"}
     assert mtp["mtp.attn_norm"].form == "plain" and mtp["mtp.ffn_norm"].form == "fused"
+
+
+def test_output_path_problem(tmp_path, monkeypatch):
+    from dsnorm.sites import output_path_problem
+
+    existing = tmp_path / "out.json"
+    existing.write_text("{}")
+    assert output_path_problem(str(existing)) is None and output_path_problem(str(tmp_path / "new.json")) is None
+    assert output_path_problem(str(tmp_path)) == output_path_problem(str(tmp_path / "new") + "/") == "is a directory (name a file)"
+    assert output_path_problem(str(tmp_path / "no" / "x.json")) == "no such directory"
+    # A directory the user cannot write to: an existing writable file in it can still be rewritten
+    # (as open(path, "w") would), a new file cannot be created.
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if os.path.isdir(p) else real_access(p, mode))
+    assert output_path_problem(str(existing)) is None
+    assert output_path_problem(str(tmp_path / "new.json")) == "not writable (its directory)"

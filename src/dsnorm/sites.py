@@ -174,14 +174,14 @@ def config_from_dict(d: dict, source: str = "<dict>") -> ModelConfig:
 
 def output_path_problem(path: str) -> Optional[str]:
     """Why a file cannot be written at ``path`` (the CLIs check before their work, not after it), or None."""
-    if os.path.isdir(path):
+    if os.path.isdir(path) or path.endswith(("/", os.sep)):
         return "is a directory (name a file)"
+    if os.path.exists(path):  # an existing file is rewritten in place: its directory's mode does not matter
+        return None if os.access(path, os.W_OK) else "not writable"
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
         return "no such directory"
-    if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-        return "not writable"
-    return None
+    return None if os.access(parent, os.W_OK) else "not writable (its directory)"
 
 
 def read_json_file(path: str, what: str = "JSON file", max_bytes: int = MAX_CONFIG_BYTES) -> Any:
