@@ -415,8 +415,8 @@ def test_load_norms_exact(tmp_path, naming):
 
 
 def test_load_norms_follows_the_index_over_a_stale_copy(tmp_path):
-    # A norm stored in two shards: the index names the one to load (as HF's loaders read it); the
-    # first shard in file order used to win.
+    # A norm stored in two shards: the copy in the shard the index names is loaded (the first shard
+    # in file order used to win); a norm missing from its listed shard is taken from where it is.
     t = tensors(HF_MAIN)
     stale = {k: torch.zeros_like(v) for k, v in t.items() if k == "model.norm.weight"}
     save_file(stale, str(tmp_path / "a.safetensors"))
@@ -426,6 +426,12 @@ def test_load_norms_follows_the_index_over_a_stale_copy(tmp_path):
     model = _RefModel()
     rep = load_norms(model, tmp_path)
     assert len(rep.loaded) == 13
+    assert torch.equal(model.norm.weight, t["model.norm.weight"].float())
+    weight_map["model.layers.0.input_layernorm.weight"] = "a.safetensors"  # listed where it is not
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    model = _RefModel()
+    assert len(load_norms(model, tmp_path).loaded) == 13
+    assert torch.equal(model.layers[0].attn_norm.weight, t["model.layers.0.input_layernorm.weight"].float())
     assert torch.equal(model.norm.weight, t["model.norm.weight"].float())
 
 
