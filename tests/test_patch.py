@@ -181,6 +181,7 @@ def test_left_alone_with_reasons():
         "gemma": GemmaRMSNorm(32),
         "no_weight": nn.RMSNorm(32, elementwise_affine=False),
         "two_d": nn.RMSNorm((4, 8)),
+        "eps_zero": nn.RMSNorm(32, eps=0.0),
         "offset": OffsetRMSNorm(32).to(torch.bfloat16),
         "unknown": MyRMSNorm(32),
         "done": dsnorm.RMSNorm(32),
@@ -190,7 +191,8 @@ def test_left_alone_with_reasons():
     rep = patch(model)
     assert not rep.replaced
     why = {e.name: e.reason for e in rep.left}
-    assert set(why) == {"gemma", "no_weight", "two_d", "offset", "unknown", "done"}
+    assert set(why) == {"gemma", "no_weight", "two_d", "eps_zero", "offset", "unknown", "done"}
+    assert "eps is 0.0: dsnorm takes eps > 0" in why["eps_zero"]
     assert "(1 + weight)" in why["gemma"]
     assert "no weight" in why["no_weight"]
     assert "several axes" in why["two_d"]

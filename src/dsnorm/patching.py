@@ -16,9 +16,10 @@ gains, norms without a weight, multi-dimensional normalised shapes, ``torch.nn.R
 fused kernel of its own order), unknown implementations. Each replacement is also checked on probe
 inputs against the module it replaces, and left alone if any output bit differs.
 
-"Bit for bit" covers bf16, fp16 and fp32 activations. fp64 activations are computed in fp64 by
-dsnorm (its one departure from the reference), where the reference and Hugging Face narrow x̂ to
-fp32: a patched model run in fp64 (``model.double()``) is more accurate, not bitwise the same.
+"Bit for bit" covers bf16, fp16 and fp32 activations (the probe's). dsnorm computes fp64
+activations in fp64 (its one departure from the reference), where the reference and Hugging Face
+narrow x̂ to fp32: such a model run in fp64 (``model.double()``) is then more accurate, not bitwise
+the same.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from dsnorm.ops import EPS_MAX, EPS_MIN
 from dsnorm.module import RMSNorm
 
 # Activation dtypes dsnorm and the norms it replaces share; the weight must widen to fp32 exactly.
@@ -106,6 +108,8 @@ def _weight_1d(module: nn.Module) -> torch.Tensor:
 def _eps(value, what: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _Leave(f"{what} is {value!r}, not a number")
+    if not EPS_MIN <= float(value) <= EPS_MAX:
+        raise _Leave(f"{what} is {value!r}: dsnorm takes eps > 0 with a nonzero finite float32 rounding")
     return float(value)
 
 
