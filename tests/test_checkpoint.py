@@ -435,6 +435,19 @@ def test_load_norms_follows_the_index_over_a_stale_copy(tmp_path):
     assert torch.equal(model.norm.weight, t["model.norm.weight"].float())
 
 
+def test_count_checks_the_copy_load_norms_takes(tmp_path):
+    # A duplicated tensor whose indexed copy has the wrong shape: count judges that copy (it had
+    # checked the first in file order and reported only the duplicate), as load_norms loads it.
+    t = hf_checkpoint(tmp_path)
+    save_file({"model.norm.weight": torch.ones(8, dtype=torch.bfloat16)}, str(tmp_path / "zz.safetensors"))
+    weight_map = {k: "model.safetensors" for k in t} | {"model.norm.weight": "zz.safetensors"}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    found = kinds(count_norms(tmp_path))
+    assert ("duplicate", "model.norm.weight") in found and ("shape", "model.norm.weight") in found
+    with pytest.raises(ValueError, match=r"norm: model\.norm\.weight has shape \[8\]"):
+        load_norms(_RefModel(), tmp_path)
+
+
 def test_load_norms_fp16_and_fp32(tmp_path):
     for dtype in (torch.float16, torch.float32):
         t = hf_checkpoint(tmp_path / str(dtype), dtype=dtype)

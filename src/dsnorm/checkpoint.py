@@ -453,8 +453,15 @@ def count_norms(path: Union[str, os.PathLike], config: Union[None, str, os.PathL
 
     # One instance per name: replicas (model-parallel) must agree and be in every shard.
     found: dict = {}
+    listed_real = {}
     for name, infos in occurrences.items():
         info = infos[0]
+        listed = files.weight_map.get(name) if files.weight_map else None
+        if listed is not None and len(infos) > 1:
+            # The copy load_norms takes: the one in the shard the index names, when it is there.
+            if listed not in listed_real:
+                listed_real[listed] = os.path.realpath(listed)
+            info = next((i for i in infos if os.path.realpath(i.file) == listed_real[listed]), info)
         if files.layout == "model-parallel":
             holders = {i.file for i in infos}
             lacking = [f for f in files.files if f not in holders]
