@@ -249,7 +249,7 @@ def test_a_provider_that_raises_while_timed_is_dropped_not_fatal():
     (["--json", "/nonexistent/dir/x.json"], "no such directory"),
     (["--json", "/tmp"], "is a directory"),
     (["--plot", "/tmp"], "is a directory"),
-    (["--json", "no_such_dir_dsnorm/"], "is a directory"),
+    (["--json", "no_such_dir_dsnorm/"], "ends in a separator"),
     (["--providers", ","], "names no provider"),
     (["--threads", "100000"], "NUMBA_NUM_THREADS"),
 ])

@@ -238,8 +238,12 @@ def test_output_path_problem(tmp_path, monkeypatch):
     existing = tmp_path / "out.json"
     existing.write_text("{}")
     assert output_path_problem(str(existing)) is None and output_path_problem(str(tmp_path / "new.json")) is None
-    assert output_path_problem(str(tmp_path)) == output_path_problem(str(tmp_path / "new") + "/") == "is a directory (name a file)"
-    assert output_path_problem(str(tmp_path / "no" / "x.json")) == "no such directory"
+    assert output_path_problem(str(tmp_path)) == "is a directory (name a file)"
+    assert output_path_problem(str(tmp_path / "new") + "/") == "ends in a separator (name a file)"
+    for missing in ("no/x.json", "no/.", "no/..", "no/../x.json"):
+        assert output_path_problem(f"{tmp_path}/{missing}") == "no such directory", missing  # as typed: no pathlib
+    os.symlink(tmp_path / "no" / "target", tmp_path / "dangling")
+    assert output_path_problem(str(tmp_path / "dangling")) == "is a dangling symbolic link"
     # A directory the user cannot write to: an existing writable file in it can still be rewritten
     # (as open(path, "w") would), a new file cannot be created.
     real_access = os.access

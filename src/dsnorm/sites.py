@@ -174,11 +174,16 @@ def config_from_dict(d: dict, source: str = "<dict>") -> ModelConfig:
 
 def output_path_problem(path: str) -> Optional[str]:
     """Why a file cannot be written at ``path`` (the CLIs check before their work, not after it), or None."""
-    if os.path.isdir(path) or path.endswith(("/", os.sep)):
+    if os.path.isdir(path):
         return "is a directory (name a file)"
+    if path.endswith(("/", os.sep)):
+        return "ends in a separator (name a file)"
     if os.path.exists(path):  # an existing file is rewritten in place: its directory's mode does not matter
         return None if os.access(path, os.W_OK) else "not writable"
-    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.islink(path):
+        return "is a dangling symbolic link"
+    # The directory as open() resolves it: not normalised first ("new/.." needs "new" to exist).
+    parent = os.path.dirname(path) or "."
     if not os.path.isdir(parent):
         return "no such directory"
     return None if os.access(parent, os.W_OK) else "not writable (its directory)"
