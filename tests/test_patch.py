@@ -1,5 +1,6 @@
 """dsnorm.patch on HF, reference and torch norms; bitwise-identical logits of a tiny bf16 DeepseekV3."""
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -116,13 +117,15 @@ class RMSNorm(RMSNormRef):
 @pytest.mark.parametrize("cls", [RMSNorm, RMSNormRef])
 def test_reference_class_becomes_deepseek_cast(cls):
     g = torch.Generator().manual_seed(5)
-    holder = nn.ModuleDict({"a": cls(96, eps=1e-6), "b": cls(40, eps=1e-3)})
+    # b's eps is a numpy scalar (a config read with numpy): a real number like any other.
+    holder = nn.ModuleDict({"a": cls(96, eps=1e-6), "b": cls(40, eps=np.float32(1e-3))})
     with torch.no_grad():
         for m in holder.values():
             m.weight.copy_(1 + 0.3 * torch.randn(m.weight.shape, generator=g))
     old = {k: v for k, v in holder.items()}
     rep = patch(holder)
-    assert [(e.name, e.cast, e.eps) for e in rep.replaced] == [("a", "deepseek", 1e-6), ("b", "deepseek", 1e-3)]
+    assert [(e.name, e.cast, e.eps) for e in rep.replaced] == [("a", "deepseek", 1e-6),
+                                                               ("b", "deepseek", float(np.float32(1e-3)))]
     for k in ("a", "b"):
         new = holder[k]
         assert isinstance(new, dsnorm.RMSNorm) and torch.equal(new.weight, old[k].weight)
@@ -182,6 +185,7 @@ def test_left_alone_with_reasons():
         "no_weight": nn.RMSNorm(32, elementwise_affine=False),
         "two_d": nn.RMSNorm((4, 8)),
         "eps_zero": nn.RMSNorm(32, eps=0.0),
+        "eps_huge_int": nn.RMSNorm(32, eps=10**400),
         "offset": OffsetRMSNorm(32).to(torch.bfloat16),
         "unknown": MyRMSNorm(32),
         "done": dsnorm.RMSNorm(32),
@@ -191,8 +195,9 @@ def test_left_alone_with_reasons():
     rep = patch(model)
     assert not rep.replaced
     why = {e.name: e.reason for e in rep.left}
-    assert set(why) == {"gemma", "no_weight", "two_d", "eps_zero", "offset", "unknown", "done"}
+    assert set(why) == {"gemma", "no_weight", "two_d", "eps_zero", "eps_huge_int", "offset", "unknown", "done"}
     assert "eps is 0.0: dsnorm takes eps > 0" in why["eps_zero"]
+    assert "dsnorm takes eps > 0" in why["eps_huge_int"]
     assert "(1 + weight)" in why["gemma"]
     assert "no weight" in why["no_weight"]
     assert "several axes" in why["two_d"]

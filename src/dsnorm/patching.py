@@ -16,16 +16,18 @@ gains, norms without a weight, multi-dimensional normalised shapes, ``torch.nn.R
 fused kernel of its own order), unknown implementations. Each replacement is also checked on probe
 inputs against the module it replaces, and left alone if any output bit differs.
 
-"Bit for bit" covers bf16, fp16 and fp32 activations (the probe's). dsnorm computes fp64
-activations in fp64 (its one departure from the reference), where the reference and Hugging Face
-narrow x̂ to fp32: such a model run in fp64 (``model.double()``) is then more accurate, not bitwise
-the same.
+"Bit for bit" covers bf16, fp16 and fp32 activations (the probe's). fp64 activations differ:
+dsnorm computes them in fp64 (its one departure from the reference), where the reference and
+Hugging Face narrow x̂ to fp32 (a patched model run in fp64 is more accurate, not bitwise the
+same); and a ``torch.nn.RMSNorm(eps=None)`` is given float32's machine epsilon, which torch uses for
+every input dtype but fp64 (float64's, ~1e-16: rows of tiny values then differ widely).
 """
 
 from __future__ import annotations
 
 import copy
 import inspect
+import numbers
 import re
 import warnings
 from dataclasses import dataclass, field
@@ -34,7 +36,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from dsnorm.ops import EPS_MAX, EPS_MIN
+from dsnorm.ops import EPS_MAX, EPS_MIN, _as_float
 from dsnorm.module import RMSNorm
 
 # Activation dtypes dsnorm and the norms it replaces share; the weight must widen to fp32 exactly.
@@ -106,9 +108,11 @@ def _weight_1d(module: nn.Module) -> torch.Tensor:
 
 
 def _eps(value, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    # Any real number the module may hold (numpy scalars included, as dsnorm's own eps accepts);
+    # one dsnorm cannot take leaves the norm with the reason (an int past float's range too).
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise _Leave(f"{what} is {value!r}, not a number")
-    if not EPS_MIN <= float(value) <= EPS_MAX:
+    if not EPS_MIN <= _as_float(value) <= EPS_MAX:
         raise _Leave(f"{what} is {value!r}: dsnorm takes eps > 0 with a nonzero finite float32 rounding")
     return float(value)
 
