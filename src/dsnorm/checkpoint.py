@@ -395,6 +395,33 @@ def _config_for(files: CheckpointFiles, config: Union[None, str, os.PathLike, Mo
     return cfg, cfg.source, notes
 
 
+def _realpath_cache():
+    """``os.path.realpath`` remembered per path string (~10 µs a call; an index lists ~100k tensors
+    in a few dozen files)."""
+    real: dict = {}
+
+    def realpath(path: str) -> str:
+        if path not in real:
+            real[path] = os.path.realpath(path)
+        return real[path]
+
+    return realpath
+
+
+def _chosen_copy(infos: list, files: CheckpointFiles, realpath) -> TensorInfo:
+    """The copy of a tensor stored in several files that counts (``count_norms`` checks it,
+    ``load_norms`` loads it): the one in the shard the index names, the checkpoint's own statement of
+    where it lives; else the first in file order (rank 0's for model-parallel replicas, whose
+    files are ordered by rank; also a tensor missing from its listed shard)."""
+    listed = files.weight_map.get(infos[0].name) if files.weight_map and len(infos) > 1 else None
+    if listed is not None:
+        want = realpath(listed)
+        for info in infos:
+            if realpath(info.file) == want:
+                return info
+    return infos[0]
+
+
 def count_norms(path: Union[str, os.PathLike], config: Union[None, str, os.PathLike, ModelConfig] = None) -> CountReport:
     """Count every norm tensor of a checkpoint from its headers and compare with a config's expectation.
 
@@ -453,15 +480,9 @@ def count_norms(path: Union[str, os.PathLike], config: Union[None, str, os.PathL
 
     # One instance per name: replicas (model-parallel) must agree and be in every shard.
     found: dict = {}
-    listed_real = {}
+    realpath = _realpath_cache()
     for name, infos in occurrences.items():
-        info = infos[0]
-        listed = files.weight_map.get(name) if files.weight_map else None
-        if listed is not None and len(infos) > 1:
-            # The copy load_norms takes: the one in the shard the index names, when it is there.
-            if listed not in listed_real:
-                listed_real[listed] = os.path.realpath(listed)
-            info = next((i for i in infos if os.path.realpath(i.file) == listed_real[listed]), info)
+        info = _chosen_copy(infos, files, realpath)  # the copy load_norms loads
         if files.layout == "model-parallel":
             holders = {i.file for i in infos}
             lacking = [f for f in files.files if f not in holders]
@@ -707,27 +728,12 @@ def load_norms(model, path: Union[str, os.PathLike]) -> LoadReport:
                             "with model.to_empty(device=...), then patch, then load_norms)" if meta else ")"))
     files = resolve_checkpoint(path)
     headers = [read_header(f) for f in files.files]
-    tensors: dict = {}
+    copies: dict = {}
     for h in headers:
         for name, info in h.tensors.items():
-            # Model-parallel replicas: rank 0's copy (files are ordered by rank).
-            tensors.setdefault(name, info)
-    if files.weight_map:
-        # A tensor stored in several shards: the copy in the shard the index names, the
-        # checkpoint's own statement of where it lives (count_norms reports such duplicates); a
-        # tensor missing from its listed shard keeps the copy found elsewhere.
-        real: dict = {}  # realpath per file name: ~10 µs a call, and an index lists ~100k tensors
-
-        def realpath(path):
-            if path not in real:
-                real[path] = os.path.realpath(path)
-            return real[path]
-
-        in_file = {(realpath(h.path), name): info for h in headers for name, info in h.tensors.items()}
-        for name, shard in files.weight_map.items():
-            info = in_file.get((realpath(shard), name))
-            if info is not None:
-                tensors[name] = info
+            copies.setdefault(name, []).append(info)
+    realpath = _realpath_cache()
+    tensors = {name: _chosen_copy(infos, files, realpath) for name, infos in copies.items()}
     votes = {"huggingface": 0, "reference": 0}
     for name in tensors:
         c = classify(name)
