@@ -204,7 +204,7 @@ def _savable(t):
     """``t``, or a copy when it is an inference tensor (made under ``torch.inference_mode``, e.g. a
     cached batch): the Functions save their inputs for the backward, and autograd cannot save those.
     (Dynamo cannot trace ``is_inference()``; a compiled graph saves through AOTAutograd instead.)"""
-    return t.clone() if not ops._is_compiling() and t.is_inference() else t
+    return t.clone() if not _is_compiling() and t.is_inference() else t
 
 
 def _flat(t: torch.Tensor, name: str) -> torch.Tensor:

@@ -52,7 +52,7 @@ from dsnorm import ops as _ops
 from dsnorm.ops import PLAIN_TYPES as _PLAIN_TYPES
 from dsnorm.ops import EPS_MAX as _EPS_MAX
 from dsnorm.ops import EPS_MIN as _EPS_MIN
-from dsnorm.ops import dispatch_free, row_stride, rows_viewable  # noqa: F401 (row_stride: the launchers')
+from dsnorm.ops import dispatch_free, row_stride, rows_viewable
 
 # Threads: numba's "threadsafe" layers (tbb when installed, else omp) may be entered from several
 # Python threads at once (its default workqueue layer may not); respect a layer the user chose.

@@ -360,8 +360,9 @@ def fused_add_rms_norm_fp8(
     ``q, scales = act_quant(y)``.
 
     Bitwise ``act_quant_ref(y)`` with ``y, residual_out = fused_add_rms_norm(x, residual, weight,
-    eps)`` on the CPU (on CUDA as :func:`rms_norm_fp8` says). Inference only: forward, DeepSeek cast order and the default residual options (the
-    unrounded fp32 sum is normalised, the residual is in ``x.dtype``): other ``cast`` /
+    eps)`` on the CPU (on CUDA as :func:`rms_norm_fp8` says). Inference only: forward, DeepSeek
+    cast order and the default residual options (the unrounded fp32 sum is normalised, the
+    residual is in ``x.dtype``): other ``cast`` /
     ``residual_rounding`` / ``residual_dtype`` values are refused by name; tensors requiring grad
     are refused.
 
