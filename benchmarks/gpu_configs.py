@@ -2,15 +2,16 @@
 
     python benchmarks/gpu_configs.py [--json FILE]      # on a CUDA machine
 
-About 30 s on an H200 before the plain-backward rows were added (11 more compiles: an estimated
-15-20 s more, not yet measured).
+About 30 s on an H200 before the plain-backward rows and the pipelined-backward rows were added
+(about 11 and 16 more compiles: an estimated 40-60 s more, not yet measured).
 
 For the DeepSeek shapes (bf16; N in 7168, 1536, 512-of-576; decode M=1 and 64, prefill M=16384)
 it times the forward (fused and plain) with every ``num_warps`` in 1..32 that covers the row, and
-at prefill the backward (fused at every width, plain at 7168) with prefetch off and on, then with
-its programs' thread budget ``BWD_PROGRAM_THREADS`` and ``num_warps`` varied, by overriding
-``launch.config`` / ``launch.backward_config`` / ``launch.BWD_PROGRAM_THREADS`` /
-``launch.BWD_PREFETCH`` for the sweep only (plus the fused forward in fp32 at [16384, 7168]).
+at prefill the backward (fused at every width, plain at 7168) with prefetch off and on, each with
+1-3 software-pipelining stages, then with its programs' thread budget ``BWD_PROGRAM_THREADS`` and
+``num_warps`` varied, by overriding ``launch.config`` / ``launch.backward_config`` /
+``launch.BWD_PROGRAM_THREADS`` / ``launch.BWD_PREFETCH`` / ``launch.BWD_NUM_STAGES`` for the sweep
+only (plus the fused forward in fp32 at [16384, 7168]).
 Prefill and backward: median of ``triton.testing.do_bench`` (L2 flushed), GB/s from the byte model
 of benchmarks/gpu.py. Decode: microseconds per call replayed from a CUDA graph of 200 calls, where
 launch overhead is gone and what is left is the kernel's latency. The row marked ``*`` is what the
@@ -44,6 +45,7 @@ def main(argv=None) -> int:
 
     real_config, real_bwd_config, real_threads = launch.config, launch.backward_config, launch.BWD_PROGRAM_THREADS
     real_prefetch, real_min_block = launch.BWD_PREFETCH, launch.BWD_PREFETCH_MIN_BLOCK
+    real_stages = launch.BWD_NUM_STAGES
     rows = []
 
     def inputs(m, n, parent=None):
@@ -95,8 +97,8 @@ def main(argv=None) -> int:
         if m < 4096:
             continue
         # The backward, fused (dx, dresidual, dweight) at every width and plain (dx, dweight) at the
-        # hidden width, where it is furthest below the goal: prefetch off/on, then the programs'
-        # thread budget against the warps.
+        # hidden width, where it is furthest below the goal: prefetch off/on with 1-3 pipelining
+        # stages, then the programs' thread budget against the warps.
         for fused in (True, False):
             if not fused and n != 7168:
                 continue
@@ -114,13 +116,18 @@ def main(argv=None) -> int:
                 launch.backward(dy, x, res, w, rstd, None, False, dx, dr, dw)
 
             picked_prefetch = real_prefetch and real_bwd_config(n, torch.bfloat16)[0] >= real_min_block
-            for prefetch in (False, True):
-                launch.BWD_PREFETCH, launch.BWD_PREFETCH_MIN_BLOCK = prefetch, 1
-                try:
-                    us = do_bench(bwd, warmup=10, rep=50, return_mode="median") * 1e3
-                finally:
-                    launch.BWD_PREFETCH, launch.BWD_PREFETCH_MIN_BLOCK = real_prefetch, real_min_block
-                record(kind, m, n, f"prefetch={prefetch}", us, nbytes, prefetch == picked_prefetch)
+            picked_stages = launch.backward_stages(real_bwd_config(n, torch.bfloat16)[0], (3 if fused else 2) * 2)
+            for stages in (1, 2, 3):
+                for prefetch in (False, True):
+                    launch.BWD_PREFETCH, launch.BWD_PREFETCH_MIN_BLOCK = prefetch, 1
+                    launch.BWD_NUM_STAGES = stages
+                    try:
+                        us = do_bench(bwd, warmup=10, rep=50, return_mode="median") * 1e3
+                    finally:
+                        launch.BWD_PREFETCH, launch.BWD_PREFETCH_MIN_BLOCK = real_prefetch, real_min_block
+                        launch.BWD_NUM_STAGES = real_stages
+                    record(kind, m, n, f"prefetch={prefetch} stages={stages}", us, nbytes,
+                           prefetch == picked_prefetch and stages == picked_stages)
             for threads in (1 << 17, 1 << 18, 1 << 19):
                 for warps in (picked_bwd_warps // 2, picked_bwd_warps, picked_bwd_warps * 2):
                     if warps > 32 or warps < 1:

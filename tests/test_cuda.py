@@ -256,7 +256,8 @@ def test_backward(fused, rows, n, stride):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_backward_prefetch_rows(dtype, monkeypatch):
     # 2048 rows of 7168: 4 rows a backward program, so the next-row prefetch is used (and masked at
-    # each program's end); its results equal the unprefetched kernel's bit for bit, and the
+    # each program's end), and so is software pipelining when BWD_NUM_STAGES asks for it (off by
+    # default); every combination's results equal the plain kernel's bit for bit, and the
     # reference's within the tolerance, with round-first and a residual_out gradient too.
     from dsnorm.triton import launch
 
@@ -268,14 +269,16 @@ def test_backward_prefetch_rows(dtype, monkeypatch):
     dy, dres = rows_of(rows, n, dtype, gen), rows_of(rows, n, dtype, gen)
     for rounding in ("fp32_sum", "round_first"):
         grads = []
-        for prefetch in (True, False):
+        for prefetch, stages in ((False, 1), (True, 1), (False, 3), (True, 3)):
             monkeypatch.setattr(launch, "BWD_PREFETCH", prefetch)
+            monkeypatch.setattr(launch, "BWD_NUM_STAGES", stages)
             xg, rg, wg = x.clone().requires_grad_(), r.clone().requires_grad_(), w.clone().requires_grad_()
             y, s = dsnorm.fused_add_rms_norm(xg, rg, wg, residual_rounding=rounding)
             torch.autograd.backward((y, s), (dy, dres))
             grads.append((xg.grad, rg.grad, wg.grad))
-        for a, b in zip(*grads):
-            assert_bitwise(a, b)
+        for other in grads[1:]:
+            for a, b in zip(grads[0], other):
+                assert_bitwise(a, b)
         k = 16  # rows checked against the fp64 reference (its autograd is slow on the CPU)
         s_ref = x[:k].cpu().float() + r[:k].cpu().float()
         if rounding == "round_first":
@@ -283,6 +286,35 @@ def test_backward_prefetch_rows(dtype, monkeypatch):
         ds64, _ = rms_norm_backward_ref(dy[:k].cpu(), s_ref, w.cpu(), EPS)
         ds64 = ds64 + dres[:k].cpu().double()
         _assert_grad_close(grads[0][0][:k], ds64, float(ds64.abs().max()))
+
+
+def test_backward_pipelined_plain_and_fp32(monkeypatch):
+    # The pipelined backward (BWD_NUM_STAGES, off by default) on the plain norm it is meant for,
+    # [2048, 7168] bf16, and on fp32 fused rows, where 4 stages asked for are cut to what
+    # BWD_STAGES_SMEM holds (2) and must still launch: the same bits as the unpipelined kernel.
+    from dsnorm.triton import launch
+
+    gen = torch.Generator().manual_seed(31)
+    n = 7168
+    assert launch.backward_stages(8192, 3 * 4) == 1  # the default: off
+    for dtype, fused in ((torch.bfloat16, False), (torch.float32, True)):
+        x, r = rows_of(2048, n, dtype, gen), rows_of(2048, n, dtype, gen, scale=4.0)
+        w, dy = weight_of(n, gen), rows_of(2048, n, dtype, gen)
+        grads = []
+        for stages in (1, 4):
+            monkeypatch.setattr(launch, "BWD_NUM_STAGES", stages)
+            if fused and stages > 1:
+                assert launch.backward_stages(8192, 3 * 4) == 2
+            xg, rg, wg = x.clone().requires_grad_(), r.clone().requires_grad_(), w.clone().requires_grad_()
+            if fused:
+                y, _ = dsnorm.fused_add_rms_norm(xg, rg, wg)
+                y.backward(dy)
+                grads.append((xg.grad, rg.grad, wg.grad))
+            else:
+                dsnorm.rms_norm(xg, wg).backward(dy)
+                grads.append((xg.grad, wg.grad))
+        for a, b in zip(*grads):
+            assert_bitwise(a, b)
 
 
 def test_dweight_deterministic():

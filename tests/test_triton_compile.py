@@ -73,6 +73,20 @@ SCRIPT = textwrap.dedent(
                                                rows(r, n, dtype, stride), dres, partials)
         check(compile_launch(kernels.rms_norm_bwd_kernel, args, meta), f"bwd {r}x{n} {dtype} {rdtype}", False, fp, bf16)
         launch.MAX_BLOCK_N = 8192
+
+    # The pipelined backward (launch.BWD_NUM_STAGES, off by default): from 2 stages Triton issues the
+    # row loads as asynchronous copies to shared memory; at 1 the kernel has none.
+    w = torch.ones(7168)
+    for stages in (1, 3):
+        launch.BWD_NUM_STAGES = stages
+        x = rows(4, 7168, torch.bfloat16)
+        _, args, meta = launch.backward_params(rows(4, 7168, torch.bfloat16), x, None, w, torch.ones(4), None, False,
+                                               rows(4, 7168, torch.bfloat16), None, launch.backward_partials(x))
+        assert meta["NUM_STAGES"] == stages
+        k = compile_launch(kernels.rms_norm_bwd_kernel, args, meta)
+        assert ("cp.async" in k.asm["ptx"]) == (stages > 1), stages
+        check(k, f"bwd 4x7168 plain, {stages} stages", False, "f32", True)
+    launch.BWD_NUM_STAGES = 1
     print("ALL OK")
     """
 )

@@ -485,11 +485,14 @@ def test_multi_block_backward(small_blocks, dtype):
     _check_backward(x, None, w, rstd, None, False, x.float(), gen)
 
 
-@pytest.mark.parametrize("prefetch", [True, False])
-def test_backward_rows_per_program(small_blocks, monkeypatch, prefetch):
+@pytest.mark.parametrize("prefetch, stages", [(True, 1), (False, 1), (True, 3)])
+def test_backward_rows_per_program(small_blocks, monkeypatch, prefetch, stages):
     # Several rows per program on the single-block path too (dweight partials over row blocks), the
-    # last program's block partial (7 rows, 4 a program), with and without the next-row prefetch.
+    # last program's block partial (7 rows, 4 a program), with and without the next-row prefetch,
+    # and with the row loop software-pipelined (which the interpreter runs unpipelined: what the
+    # GPU's cp.async copies do is checked by test_cuda.py, that they are there by the sm_90 compile).
     monkeypatch.setattr(launch, "BWD_PREFETCH", prefetch)
+    monkeypatch.setattr(launch, "BWD_NUM_STAGES", stages)
     monkeypatch.setattr(launch, "BWD_PREFETCH_MIN_BLOCK", 1)
     rows, n = 7, 48
     dtype = torch.bfloat16
@@ -499,6 +502,27 @@ def test_backward_rows_per_program(small_blocks, monkeypatch, prefetch):
     y, ro, rstd = torch.empty_like(x), torch.empty_like(r), torch.empty(rows)
     launch.forward(x, r, w, EPS, False, False, y, ro, rstd)
     _check_backward(x, r, w, rstd, None, False, x.float() + r.float(), gen)
+
+
+def test_backward_stages_fit_shared_memory(monkeypatch):
+    # Stages asked for are cut until (stages - 1) rows of every input the loop loads fit in
+    # BWD_STAGES_SMEM (96 KiB), and the multi-block path is never pipelined.
+    monkeypatch.setattr(launch, "BWD_NUM_STAGES", 4)
+    assert launch.backward_stages(8192, 2 + 2) == 4  # plain bf16 [*, 7168]: 16 KiB a row
+    assert launch.backward_stages(8192, 2 + 2 + 2) == 3  # fused bf16
+    assert launch.backward_stages(8192, 4 + 4 + 4) == 2  # fused fp32: 96 KiB a stage
+    assert launch.backward_stages(8192, 4 * 4) == 1  # fused fp32 with a residual_out gradient
+    x = torch.empty(2, 7168)
+    meta = launch.backward_params(x, x, x, torch.empty(7168), torch.empty(2), None, False, x, x,
+                                  launch.backward_partials(x))[2]
+    assert meta["SINGLE_BLOCK"] and meta["NUM_STAGES"] == 2
+    monkeypatch.setattr(launch, "MAX_BLOCK_N", 1024)
+    xb = torch.empty(2, 7168, dtype=torch.bfloat16)
+    meta = launch.backward_params(xb, xb, None, torch.empty(7168), torch.empty(2), None, False, xb, None,
+                                  launch.backward_partials(xb))[2]
+    assert not meta["SINGLE_BLOCK"] and meta["NUM_STAGES"] == 1
+    monkeypatch.setattr(launch, "BWD_NUM_STAGES", 1)
+    assert launch.backward_stages(512, 2) == 1
 
 
 def test_backward_fp64():

@@ -277,6 +277,9 @@ def rms_norm_bwd_kernel(
     ROUND_FIRST: tl.constexpr,  # the forward normalised s rounded to x's dtype
     PREFETCH: tl.constexpr,  # single block: load the next row's x, residual, dy before this row's
     # reduction, so that a program (one or two resident per SM at these widths) keeps loads in flight
+    NUM_STAGES: tl.constexpr,  # single block: Triton's software pipelining of the row loop (1: off).
+    # From 2 up, the next NUM_STAGES - 1 rows' loads are issued early as asynchronous copies into
+    # shared memory (cp.async on sm_80+), so rows in flight cost shared memory, not registers
     CD: tl.constexpr,  # compute dtype
 ):
     pid = tl.program_id(0)
@@ -294,7 +297,8 @@ def rms_norm_bwd_kernel(
             s_next = _load_s(X + row_begin * stride_x + cols, R + row_begin * stride_r + cols, mask, HAS_RESIDUAL,
                              ROUND_FIRST, X.dtype.element_ty, CD)
             dy_next = _widen(tl.load(DY + row_begin * stride_dy + cols, mask=mask, other=0.0), CD)
-        for row64 in range(row_begin, row_end):
+        # Pipelining reorders only when loads are issued: each row's arithmetic is unchanged.
+        for row64 in tl.range(row_begin, row_end, num_stages=NUM_STAGES):
             if PREFETCH:
                 s = s_next
                 dy = dy_next
