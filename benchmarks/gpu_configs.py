@@ -117,17 +117,20 @@ def main(argv=None) -> int:
 
             picked_prefetch = real_prefetch and real_bwd_config(n, torch.bfloat16)[0] >= real_min_block
             picked_stages = launch.backward_stages(real_bwd_config(n, torch.bfloat16)[0], (3 if fused else 2) * 2)
-            for stages in (1, 2, 3):
-                for prefetch in (False, True):
-                    launch.BWD_PREFETCH, launch.BWD_PREFETCH_MIN_BLOCK = prefetch, 1
-                    launch.BWD_NUM_STAGES = stages
-                    try:
-                        us = do_bench(bwd, warmup=10, rep=50, return_mode="median") * 1e3
-                    finally:
-                        launch.BWD_PREFETCH, launch.BWD_PREFETCH_MIN_BLOCK = real_prefetch, real_min_block
-                        launch.BWD_NUM_STAGES = real_stages
-                    record(kind, m, n, f"prefetch={prefetch} stages={stages}", us, nbytes,
-                           prefetch == picked_prefetch and stages == picked_stages)
+            variants = [(picked_bwd_warps, stages, prefetch) for stages in (1, 2, 3) for prefetch in (False, True)]
+            if n == 7168:  # 32 warps hold 64 registers a thread: pipelined rows instead of prefetched ones
+                variants += [(2 * picked_bwd_warps, 3, False), (2 * picked_bwd_warps, 3, True)]
+            for warps, stages, prefetch in variants:
+                launch.BWD_PREFETCH, launch.BWD_PREFETCH_MIN_BLOCK = prefetch, 1
+                launch.BWD_NUM_STAGES = stages
+                launch.backward_config = with_warps(real_bwd_config, warps)
+                try:
+                    us = do_bench(bwd, warmup=10, rep=50, return_mode="median") * 1e3
+                finally:
+                    launch.BWD_PREFETCH, launch.BWD_PREFETCH_MIN_BLOCK = real_prefetch, real_min_block
+                    launch.BWD_NUM_STAGES, launch.backward_config = real_stages, real_bwd_config
+                record(kind, m, n, f"warps={warps} prefetch={prefetch} stages={stages}", us, nbytes,
+                       warps == picked_bwd_warps and prefetch == picked_prefetch and stages == picked_stages)
             for threads in (1 << 17, 1 << 18, 1 << 19):
                 for warps in (picked_bwd_warps // 2, picked_bwd_warps, picked_bwd_warps * 2):
                     if warps > 32 or warps < 1:
