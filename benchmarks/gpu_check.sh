@@ -19,7 +19,7 @@
 #   6. benchmarks/gpu_configs.py: the launch-configuration sweep behind the heuristics;
 #   7. benchmarks/gpu_host_profile.py: the host's share of an eager call (dsnorm against Liger).
 # On an H200 the steps took 3 + 4 + 60 + 35 + 66 + 26 + 27 + 21 s, before the sweep's plain-backward
-# and pipelined-backward rows (about 27 more compiles) were added (limits below: 560 s in all,
+# and pipelined-backward rows (about 31 more compiles) were added (limits below: 560 s in all,
 # inside the device tool's 600 s a command; the sweep prints each row as it is measured, so a sweep
 # cut short by its limit still leaves its first rows). The exit status is the number of steps that failed.
 set -u

@@ -3,7 +3,7 @@
     python benchmarks/gpu_configs.py [--json FILE]      # on a CUDA machine
 
 About 30 s on an H200 before the plain-backward rows and the pipelined-backward rows were added
-(about 11 and 16 more compiles: an estimated 40-60 s more, not yet measured).
+(about 11 and 20 more compiles: an estimated 40-60 s more, not yet measured).
 
 For the DeepSeek shapes (bf16; N in 7168, 1536, 512-of-576; decode M=1 and 64, prefill M=16384)
 it times the forward (fused and plain) with every ``num_warps`` in 1..32 that covers the row, and
@@ -67,7 +67,7 @@ def main(argv=None) -> int:
     def record(kind, m, n, knob, us, nbytes, picked):
         gbs = nbytes / (us * 1e-6) / 1e9 if nbytes else None
         rows.append(dict(kind=kind, M=m, N=n, knob=knob, us=us, gbs=gbs, picked=picked))
-        print(f"{kind:12s} M={m:6d} N={n:5d} {knob:24s} {us:9.2f} us"
+        print(f"{kind:12s} M={m:6d} N={n:5d} {knob:34s} {us:9.2f} us"
               + (f" {gbs:7.0f} GB/s" if gbs else "") + (" *" if picked else ""), flush=True)
 
     shapes = [(1, 7168, None), (64, 7168, None), (16384, 7168, None), (1, 1536, None), (64, 1536, None),
@@ -116,7 +116,8 @@ def main(argv=None) -> int:
                 launch.backward(dy, x, res, w, rstd, None, False, dx, dr, dw)
 
             picked_prefetch = real_prefetch and real_bwd_config(n, torch.bfloat16)[0] >= real_min_block
-            picked_stages = launch.backward_stages(real_bwd_config(n, torch.bfloat16)[0], (3 if fused else 2) * 2)
+            picked_stages = launch.backward_stages(real_bwd_config(n, torch.bfloat16)[0],
+                                                   [torch.bfloat16] * (3 if fused else 2))
             variants = [(picked_bwd_warps, stages, prefetch) for stages in (1, 2, 3) for prefetch in (False, True)]
             if n == 7168:  # 32 warps hold 64 registers a thread: pipelined rows instead of prefetched ones
                 variants += [(2 * picked_bwd_warps, 3, False), (2 * picked_bwd_warps, 3, True)]

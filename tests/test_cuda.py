@@ -296,7 +296,7 @@ def test_backward_pipelined_plain_and_fp32(monkeypatch):
 
     gen = torch.Generator().manual_seed(31)
     n = 7168
-    assert launch.backward_stages(8192, 3 * 4) == 1  # the default: off
+    assert launch.backward_stages(8192, [torch.float32] * 3) == 1  # the default: off
     for dtype, fused in ((torch.bfloat16, False), (torch.float32, True)):
         x, r = rows_of(2048, n, dtype, gen), rows_of(2048, n, dtype, gen, scale=4.0)
         w, dy = weight_of(n, gen), rows_of(2048, n, dtype, gen)
@@ -304,7 +304,7 @@ def test_backward_pipelined_plain_and_fp32(monkeypatch):
         for stages in (1, 4):
             monkeypatch.setattr(launch, "BWD_NUM_STAGES", stages)
             if fused and stages > 1:
-                assert launch.backward_stages(8192, 3 * 4) == 2
+                assert launch.backward_stages(8192, [torch.float32] * 3) == 2
             xg, rg, wg = x.clone().requires_grad_(), r.clone().requires_grad_(), w.clone().requires_grad_()
             if fused:
                 y, _ = dsnorm.fused_add_rms_norm(xg, rg, wg)

@@ -86,6 +86,24 @@ SCRIPT = textwrap.dedent(
         k = compile_launch(kernels.rms_norm_bwd_kernel, args, meta)
         assert ("cp.async" in k.asm["ptx"]) == (stages > 1), stages
         check(k, f"bwd 4x7168 plain, {stages} stages", False, "f32", True)
+
+    # Stages are capped so that what Triton allocates (the pipelined rows, plus a layout-conversion
+    # scratch when the dtypes differ) fits the smallest sm_80+ per-block limit, 99 KiB.
+    bf, f16, f32, f64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
+    launch.BWD_NUM_STAGES = 4
+    for n, xd, rd, drod, stages in [(7168, bf, None, None, 4), (7168, bf, bf, bf, 2), (7168, bf, f32, None, 2),
+                                    (3584, bf, f32, None, 3), (3584, f16, f32, f32, 2), (7168, f32, f32, None, 2),
+                                    (1792, f64, f32, f32, 2), (1792, f64, f64, f32, 2)]:
+        w = torch.ones(n, dtype=f64 if xd == f64 else f32)
+        x = rows(4, n, xd)
+        res = None if rd is None else rows(4, n, rd)
+        _, args, meta = launch.backward_params(rows(4, n, xd), x, res, w, torch.ones(4, dtype=w.dtype),
+                                               None if drod is None else rows(4, n, drod), False, rows(4, n, xd),
+                                               None if rd is None else rows(4, n, rd), launch.backward_partials(x))
+        assert meta["NUM_STAGES"] == stages, (n, xd, rd, drod, meta["NUM_STAGES"])
+        k = compile_launch(kernels.rms_norm_bwd_kernel, args, meta)
+        assert k.metadata.shared <= 99 * 1024, (n, xd, rd, drod, stages, k.metadata.shared)
+        print("ok shared", n, xd, rd, drod, stages, k.metadata.shared, file=sys.stderr)
     launch.BWD_NUM_STAGES = 1
     print("ALL OK")
     """

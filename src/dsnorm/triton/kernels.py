@@ -278,8 +278,9 @@ def rms_norm_bwd_kernel(
     PREFETCH: tl.constexpr,  # single block: load the next row's x, residual, dy before this row's
     # reduction, so that a program (one or two resident per SM at these widths) keeps loads in flight
     NUM_STAGES: tl.constexpr,  # single block: Triton's software pipelining of the row loop (1: off).
-    # From 2 up, the next NUM_STAGES - 1 rows' loads are issued early as asynchronous copies into
-    # shared memory (cp.async on sm_80+), so rows in flight cost shared memory, not registers
+    # From 2 up, the loads of the next NUM_STAGES - 1 iterations (rows, or with PREFETCH the rows
+    # after those) are issued early as asynchronous copies into shared memory (cp.async on sm_80+),
+    # so rows in flight cost shared memory, not registers
     CD: tl.constexpr,  # compute dtype
 ):
     pid = tl.program_id(0)

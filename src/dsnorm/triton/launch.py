@@ -23,9 +23,9 @@ Launch heuristics (no autotuning: the first call must not sweep configs):
   ``FWD_MAX_PROGRAMS`` rows. Backward: a row block per program so that the dweight partials stay
   small, sized from the row count and ``n`` only (never the GPU's SM count), so dweight has the same
   bits on any GPU: about ``BWD_PROGRAM_THREADS / threads-per-program`` programs.
-* Backward row loop: the next row prefetched into registers (``BWD_PREFETCH``, 16-bit rows of at
-  least ``BWD_PREFETCH_MIN_BLOCK`` columns); Triton's software pipelining (``BWD_NUM_STAGES``) is
-  there but off until measured (see below).
+* Backward row loop: the next row prefetched into registers (``BWD_PREFETCH``: 16-bit rows whose
+  block is at least ``BWD_PREFETCH_MIN_BLOCK``, i.e. n > 2048); Triton's software pipelining
+  (``BWD_NUM_STAGES``) is there but off until measured (see below).
 
 Batch invariance: ``BLOCK_N`` and ``num_warps`` depend on ``n`` and the dtypes only, and a
 program's rows are processed one at a time by the same code, so a row's forward bits do not depend
@@ -62,14 +62,17 @@ BWD_PREFETCH = True
 BWD_PREFETCH_MIN_BLOCK = 4096
 # Software pipelining of the backward's single-block row loop (the kernel's NUM_STAGES; 1 is off).
 # Compiled for sm_90 with Triton 3.6 and 3.9, 2-4 stages issue the next rows' x / residual / dy as
-# cp.async copies into shared memory (16 KB a stage a tensor at 7168 bf16), without spilling
-# registers. Not yet measured on a GPU, so off: benchmarks/gpu_configs.py times 1-3 stages against
-# and with PREFETCH at the DeepSeek widths, the data to decide from. The plain backward at
+# cp.async copies into shared memory (16 KB a stage a tensor at 7168 bf16). Without PREFETCH
+# nothing spills; with it, Triton 3.6 spills 8-24 bytes a thread in the fused bf16 [*, 7168] case
+# (3.9 does not). Not yet measured on a GPU, so off: benchmarks/gpu_configs.py times 1-3 stages
+# against and with PREFETCH at the DeepSeek widths, the data to decide from. The plain backward at
 # [16384, 7168] (two input streams, one 16-warp program an SM) is the case it is meant for.
 BWD_NUM_STAGES = 1
-# Shared memory the pipelined rows may take, (stages - 1) x one row of every input the loop loads:
-# stages are dropped until they fit. 96 KiB is under every sm_80+ GPU's per-block limit (99 KiB on
-# sm_86/89); fp32 [*, 7168] fused rows are 96 KiB a stage, so they get 2 stages at most.
+# Shared memory the pipelined rows may take, (stages - 1) x one row of every input the loop loads,
+# less a compute-dtype row when the inputs' dtypes differ (Triton then also converts layouts through
+# shared memory: 8-16 KiB measured, next to the stages): stages are dropped until they fit. 96 KiB is
+# under every sm_80+ GPU's per-block limit (99 KiB on sm_86/89/120); fp32 [*, 7168] fused rows are
+# 96 KiB a stage, so they get 2 stages at most.
 BWD_STAGES_SMEM = 96 << 10
 
 
@@ -117,10 +120,15 @@ def backward_rows_per_program(rows: int, n: int, dtype: torch.dtype) -> int:
     return max(1, -(-rows // programs))
 
 
-def backward_stages(block: int, row_bytes_per_column: int) -> int:
+def backward_stages(block: int, dtypes) -> int:
     """The backward's ``NUM_STAGES``: ``BWD_NUM_STAGES``, fewer if the rows in flight would pass
-    ``BWD_STAGES_SMEM``; ``row_bytes_per_column`` is the summed element size of the loop's inputs."""
-    return max(1, min(BWD_NUM_STAGES, 1 + BWD_STAGES_SMEM // (block * row_bytes_per_column)))
+    ``BWD_STAGES_SMEM``. ``dtypes``: those of the rows the loop loads, x's first (x, dy, then the
+    residual and the residual_out gradient when present)."""
+    per_column = sum(d.itemsize for d in dtypes)
+    budget = BWD_STAGES_SMEM
+    if any(d != dtypes[0] for d in dtypes):
+        budget -= block * (8 if dtypes[0] == torch.float64 else 4)
+    return max(1, min(BWD_NUM_STAGES, 1 + budget // (block * per_column)))
 
 
 def _ptr(t, fallback):
@@ -217,8 +225,8 @@ def backward_params(dy, x, residual, weight, rstd, dresidual_out, round_first, d
         HAS_DRO=dresidual_out is not None,
         ROUND_FIRST=bool(round_first) and residual is not None,
         PREFETCH=BWD_PREFETCH and single and block >= BWD_PREFETCH_MIN_BLOCK and x.element_size() == 2,
-        NUM_STAGES=backward_stages(block, sum(t.element_size() for t in (x, dy, residual, dresidual_out)
-                                              if t is not None)) if single else 1,
+        NUM_STAGES=backward_stages(block, [t.dtype for t in (x, dy, residual, dresidual_out) if t is not None])
+        if single else 1,
         CD=_compute_dtype(x.dtype),
         num_warps=warps,
     )
