@@ -587,8 +587,6 @@ def test_fx_symbolic_trace_records_the_norm():
 
 
 def test_dim_takes_what_the_reference_takes():
-    import numpy as np
-
     assert dsnorm.RMSNorm(np.int64(64)).dim == 64 and type(dsnorm.RMSNorm(torch.tensor(64)).dim) is int
     for bad in (True, torch.tensor(True), 1.5, "8", torch.tensor(2.0)):
         with pytest.raises(ValueError, match="dim must be an int >= 1"):

@@ -345,7 +345,7 @@ def fused_add_rms_norm_(
     for name, t in (("x", x), ("residual", residual)):
         # The dispatcher has no way to write a mutating op's result through a negated view. (An
         # eager-only probe: dynamo cannot trace it, and compiled graphs functionalise the write.)
-        if not ops._is_compiling() and t.is_neg():
+        if not _is_compiling() and t.is_neg():
             raise ValueError(f"{name} is a lazily negated view (is_neg(), e.g. z.conj().imag) and cannot "
                              f"be written in place; pass {name}.resolve_neg(), or use fused_add_rms_norm")
     if residual_dtype is not None:

@@ -503,7 +503,7 @@ def count_norms(path: Union[str, os.PathLike], config: Union[None, str, os.PathL
             if listed is None:
                 mismatches.append({"kind": "index_mismatch", "tensor": name, "site": None,
                                    "detail": f"in {os.path.basename(info.file)} but not in the index"})
-            elif all(os.path.abspath(i.file) != os.path.abspath(listed) for i in occurrences[name]):
+            elif realpath(info.file) != realpath(listed):  # the chosen copy is the listed one when any is
                 mismatches.append({"kind": "index_mismatch", "tensor": name, "site": None,
                                    "detail": f"index says {os.path.basename(listed)}, found in {os.path.basename(info.file)}"})
         for name, listed in files.weight_map.items():

@@ -127,7 +127,7 @@ def backward_stages(block: int, dtypes) -> int:
     per_column = sum(d.itemsize for d in dtypes)
     budget = BWD_STAGES_SMEM
     if any(d != dtypes[0] for d in dtypes):
-        budget -= block * (8 if dtypes[0] == torch.float64 else 4)
+        budget -= block * _compute_dtype(dtypes[0]).primitive_bitwidth // 8
     return max(1, min(BWD_NUM_STAGES, 1 + budget // (block * per_column)))
 
 
