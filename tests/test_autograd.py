@@ -116,8 +116,13 @@ def test_module_training_step():
 
 def test_inplace_form_refuses_grad():
     x = torch.randn(2, 8, requires_grad=True)
-    with pytest.raises(RuntimeError, match="no gradient"):
+    with pytest.raises(RuntimeError, match="no gradient, but x requires grad"):
         dsnorm.fused_add_rms_norm_(x, torch.randn(2, 8), torch.ones(8))
+    # The module's parameter is the usual way in: the message names the weight (a bf16 one widened).
+    for w in (torch.nn.Parameter(torch.ones(8)), torch.nn.Parameter(torch.ones(8, dtype=torch.bfloat16))):
+        x = torch.randn(2, 8, dtype=w.dtype)
+        with pytest.raises(RuntimeError, match="no gradient, but weight requires grad"):
+            dsnorm.fused_add_rms_norm_(x, torch.randn(2, 8, dtype=w.dtype), w)
 
 
 def test_training_calls_the_ops_only_when_observed(monkeypatch):

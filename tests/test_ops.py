@@ -289,9 +289,12 @@ def test_inplace_op_refuses_tensors_autograd_would_have_to_track():
     a = torch.randn(4, 64, requires_grad=True)
     for x in (leaf, a * 3):  # a leaf, and a tensor inside a live graph
         x0 = x.detach().clone()
-        with pytest.raises(RuntimeError, match="no gradient"):
+        with pytest.raises(RuntimeError, match="no gradient, but x requires grad"):
             torch.ops.dsnorm.fused_add_rms_norm_(x, torch.randn(4, 64), W64, 1e-6, "deepseek", "fp32_sum")
         assert torch.equal(x.detach(), x0)
+    w = W64.clone().requires_grad_()
+    with pytest.raises(RuntimeError, match="no gradient, but residual and weight require grad"):
+        torch.ops.dsnorm.fused_add_rms_norm_(torch.randn(4, 64), leaf, w, 1e-6, "deepseek", "fp32_sum")
 
 
 def test_inplace_through_the_op_under_a_mode():
@@ -512,6 +515,41 @@ def test_inplace_takes_interleaved_rows_that_share_no_element(dtype):
     buf = _rand((5, 128), dtype, 71)
     with pytest.raises(ValueError, match="must not share memory"):
         dsnorm.fused_add_rms_norm_(buf[:, :64], buf[:, 32:96], w)
+
+
+@pytest.mark.parametrize("rows", [4, 4096])  # the fast lane and the thread pool's size
+def test_inplace_refuses_two_storages_over_one_memory(rows):
+    # torch.from_numpy of two views of one array gives two storages over the same bytes: the overlap
+    # is decided by address, not by storage identity (the kernel writes x while it reads residual).
+    a = np.random.default_rng(3).standard_normal((rows + 1) * 64).astype(np.float32)
+    before = a.copy()
+    x, res = torch.from_numpy(a[: rows * 64]).view(rows, 64), torch.from_numpy(a[64:]).view(rows, 64)
+    assert x.untyped_storage().data_ptr() != res.untyped_storage().data_ptr()
+    with pytest.raises(ValueError, match="must not share memory"):
+        dsnorm.fused_add_rms_norm_(x, res, torch.ones(64))
+    with pytest.raises(ValueError, match="must not share memory"):
+        torch.ops.dsnorm.fused_add_rms_norm_(x, res, torch.ones(64), 1e-6, "deepseek", "fp32_sum")
+    assert np.array_equal(a, before)
+    # The two column halves of one buffer, as two storages, share no element and are still taken.
+    buf = np.random.default_rng(4).standard_normal((rows, 128)).astype(np.float32)
+    x, res = torch.from_numpy(buf[:, :64]), torch.from_numpy(buf[:, 64:])
+    want_y, want_res = fused_add_rms_norm_ref(x.clone(), res.clone(), W64)
+    dsnorm.fused_add_rms_norm_(x, res, W64)
+    assert bits_equal(x, want_y) and bits_equal(res, want_res)
+
+
+def test_bad_x_is_named_as_x_when_the_weight_requires_grad():
+    # The autograd route checks x before the residual, whose checks are stated in terms of x.
+    w = torch.ones(8, requires_grad=True)
+    bf = _rand((2, 8))
+    with pytest.raises(TypeError, match="x must be float32"):
+        dsnorm.fused_add_rms_norm(torch.ones(2, 8, dtype=torch.int32), bf, w)
+    with pytest.raises(TypeError, match="x must be float32"):
+        dsnorm.RMSNorm(8)(torch.ones(2, 8, dtype=torch.int32), bf)
+    with pytest.raises(ValueError, match="x must have at least one dimension"):
+        dsnorm.fused_add_rms_norm(torch.tensor(1.0), torch.ones(8), w)
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        dsnorm.fused_add_rms_norm(bf.tolist(), bf, w)
 
 
 def test_option_types_are_checked_by_name():

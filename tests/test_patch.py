@@ -1,5 +1,7 @@
 """dsnorm.patch on HF, reference and torch norms; bitwise-identical logits of a tiny bf16 DeepseekV3."""
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -283,6 +285,36 @@ def test_hf_norms_with_an_fp32_gain_the_other_order_and_tied_gains():
         want = fp32_norm(lin(x.float()))
         got = model["fp32"](lin(x.float()))
     assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("gain_dtype", [torch.bfloat16, torch.float16])
+def test_hf_norms_with_a_16_bit_gain_promote_the_other_16_bit_dtype(gain_dtype):
+    # HF multiplies its bf16 gain by x̂.to(fp16) with torch's promotion: an fp32 result (an fp16
+    # autocast over a bf16 model). The patched norm returns the same dtype and bits in every input
+    # dtype (before, it rounded the gain to fp16 and returned fp16), and stays one kernel for inputs
+    # in the gain's dtype.
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from dsnorm.patching import PromotingHFRMSNorm
+
+    gen = torch.Generator().manual_seed(11)
+    norm = LlamaRMSNorm(48, eps=1e-5).to(gain_dtype)
+    with torch.no_grad():
+        norm.weight.copy_((1 + 0.5 * torch.randn(48, generator=gen)).to(gain_dtype))
+    want_norm = copy.deepcopy(norm)
+    model = nn.ModuleDict({"n": norm})
+    rep = patch(model)
+    new = model["n"]
+    assert [e.name for e in rep.replaced] == ["n"], str(rep)
+    assert type(new) is PromotingHFRMSNorm and new.gain_dtype == gain_dtype and new.cast == "hf"
+    assert new.weight.dtype == torch.float32 and torch.equal(new.weight, want_norm.weight.float())
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        x = (3 * torch.randn(5, 48, generator=gen)).to(dtype)
+        want, got = want_norm(x), new(x)
+        assert got.dtype == want.dtype and torch.equal(got, want), dtype
+    assert list(new.state_dict()) == ["weight"]
+    with pytest.raises(ValueError, match="gain_dtype must be"):
+        PromotingHFRMSNorm(8, gain_dtype=torch.float64)
 
 
 def test_hf_llama_norm_and_shared_modules():

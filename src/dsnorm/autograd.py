@@ -295,10 +295,10 @@ def fused_add_rms_norm(
         if _direct(x, residual, w):
             return ops.fused_add_rms_norm(x, residual, w, eps, cast, residual_rounding, residual_dtype)
         return _fused_infer(x, residual, w, eps, cast, residual_rounding, residual_dtype)
+    x_rows = _flat(_savable(x), "x")  # x first: the residual's checks are stated in terms of x
     ops.check_residual(residual, x, residual_dtype)
     y, residual_out, _ = FusedAddRMSNormFunction.apply(
-        _flat(_savable(x), "x"), _flat(_savable(residual), "residual"), w, eps, cast, residual_rounding,
-        residual_dtype,
+        x_rows, _flat(_savable(residual), "residual"), w, eps, cast, residual_rounding, residual_dtype,
     )
     if y.shape == x.shape:
         return y, residual_out
@@ -340,8 +340,7 @@ def fused_add_rms_norm_(
     if not isinstance(residual, torch.Tensor):
         raise TypeError(f"residual must be a torch.Tensor, got {type(residual).__name__}")
     ops.refuse_forward_ad("dsnorm.fused_add_rms_norm_", x, residual, w)
-    if _needs_grad(x, residual, w):
-        raise RuntimeError(ops.INPLACE_NEEDS_NO_GRAD)
+    ops.refuse_inplace_grad(x, residual, w)  # here too: this route does not pass the dispatcher
     for name, t in (("x", x), ("residual", residual)):
         # The dispatcher has no way to write a mutating op's result through a negated view. (An
         # eager-only probe: dynamo cannot trace it, and compiled graphs functionalise the write.)

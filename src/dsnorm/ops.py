@@ -437,9 +437,9 @@ def _rows_overlap(t: torch.Tensor) -> bool:
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    # By address, not by storage: two storages can hold the same memory (torch.from_numpy of two
+    # views of one array, DLPack, frombuffer), and the kernel writes x while it reads residual.
     if a.numel() == 0 or b.numel() == 0:
-        return False
-    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
         return False
     a0 = a.data_ptr()
     b0 = b.data_ptr()
@@ -566,20 +566,24 @@ for _key in ("CPU", "CUDA"):
     lib.impl("rms_norm_bwd", rms_norm_bwd, _key)
     lib.impl("fused_add_rms_norm_bwd", fused_add_rms_norm_bwd, _key)
 
-INPLACE_NEEDS_NO_GRAD = (
-    "fused_add_rms_norm_ writes its inputs and has no gradient; use fused_add_rms_norm for "
-    "training or call it under torch.no_grad()"
-)
+def refuse_inplace_grad(x, residual, weight) -> None:
+    """The in-place form has no derivative: in grad mode, an input that requires grad (a leaf, or a
+    tensor inside a live graph) is refused, as torch's own in-place ops refuse a leaf, naming it."""
+    if not torch.is_grad_enabled():
+        return
+    names = [n for n, t in (("x", x), ("residual", residual), ("weight", weight))
+             if isinstance(t, torch.Tensor) and t.requires_grad]
+    if names:
+        raise RuntimeError(
+            f"fused_add_rms_norm_ writes its inputs and has no gradient, but {' and '.join(names)} "
+            f"require{'s' if len(names) == 1 else ''} grad; use fused_add_rms_norm for training or call it "
+            "under torch.no_grad()"
+        )
 
 
 def _inplace_autograd(keyset, x, residual, weight, eps, cast, residual_rounding):
-    """The in-place op's Autograd kernel: it has no derivative, so a write that autograd would have
-    to record (an input that requires grad, in grad mode: a leaf, or a tensor inside a live graph)
-    is refused, as torch's own in-place ops refuse a leaf."""
-    if torch.is_grad_enabled() and any(
-        isinstance(t, torch.Tensor) and t.requires_grad for t in (x, residual, weight)
-    ):
-        raise RuntimeError(INPLACE_NEEDS_NO_GRAD)
+    """The in-place op's Autograd kernel: it has no derivative (see refuse_inplace_grad)."""
+    refuse_inplace_grad(x, residual, weight)
     with torch._C._AutoDispatchBelowAutograd():
         return torch.ops.dsnorm.fused_add_rms_norm_.default.redispatch(
             keyset & torch._C._after_autograd_keyset, x, residual, weight, eps, cast, residual_rounding

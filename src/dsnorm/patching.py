@@ -36,8 +36,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-from dsnorm.ops import EPS_MAX, EPS_MIN, _as_float
 from dsnorm.module import RMSNorm
+from dsnorm.ops import EPS_MAX, EPS_MIN, _as_float
+from dsnorm.ref import EPS
 
 # Activation dtypes dsnorm and the norms it replaces share; the weight must widen to fp32 exactly.
 _EXACT_WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -161,23 +162,31 @@ def _check_replaceable(module: nn.Module) -> None:
 
 
 class PromotingHFRMSNorm(RMSNorm):
-    """A Hugging Face / Llama-style norm with a float32 gain: ``weight * x̂.to(x.dtype)`` with torch's
-    type promotion, ``x̂ = x * rsqrt(mean(x^2) + eps)`` in fp32.
+    """A Hugging Face / Llama-style norm: ``weight * x̂.to(x.dtype)`` with torch's type promotion
+    between the gain's dtype ``gain_dtype`` and ``x``'s, ``x̂ = x * rsqrt(mean(x^2) + eps)`` in fp32.
 
-    For ``x`` in the weight's dtype that is ``cast="hf"`` (one kernel). For bf16/fp16 ``x`` with an
-    fp32 weight (an fp32 model under autocast, fp32 master weights) HF returns the **fp32** product
-    of the gain and the rounded x̂, which no single dsnorm cast gives: x̂ is rounded once by a
-    unit-gain dsnorm norm, then multiplied by the gain in fp32, as HF does. :func:`patch` uses it for
-    such norms; the weight, state_dict key and constructor are ``RMSNorm``'s.
+    Where the promotion changes nothing (``x`` in the gain's dtype, or fp32) that is ``cast="hf"``
+    (one kernel). Otherwise HF returns the promoted product, which no single dsnorm cast gives: for
+    bf16/fp16 ``x`` with an fp32 gain (an fp32 model under autocast, fp32 master weights) the fp32
+    product of the gain and the rounded x̂, and likewise fp32 for fp16 ``x`` with a bf16 gain or
+    bf16 ``x`` with an fp16 gain. x̂ is then rounded once by a unit-gain dsnorm norm and multiplied
+    by the gain in ``gain_dtype``, as HF does. :func:`patch` uses it for such norms; the weight
+    (float32, holding the gain's values), state_dict key and the other arguments are ``RMSNorm``'s.
     """
 
+    def __init__(self, dim: int, eps: float = EPS, *, gain_dtype: torch.dtype = torch.float32, **kwargs):
+        if gain_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"gain_dtype must be torch.float32, torch.bfloat16 or torch.float16, got {gain_dtype}")
+        super().__init__(dim, eps, **kwargs)
+        self.gain_dtype = gain_dtype
+
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
-        if residual is not None or x.dtype == self.weight.dtype or x.dtype == torch.float64:
+        if residual is not None or x.dtype in (self.gain_dtype, torch.float32, torch.float64):
             return super().forward(x, residual)
         from dsnorm.autograd import rms_norm
 
         unit = torch.ones(self.dim, dtype=torch.float32, device=self.weight.device)
-        return self.weight * rms_norm(x, unit, self.eps, cast="hf")
+        return self.weight.to(self.gain_dtype) * rms_norm(x, unit, self.eps, cast="hf")
 
 
 @dataclass
@@ -188,6 +197,7 @@ class _Candidate:
     cast: str
     dtypes: list
     reason: str
+    kwargs: dict = field(default_factory=dict)  # more constructor arguments (PromotingHFRMSNorm's gain_dtype)
 
 
 def _plan(module: nn.Module) -> tuple:
@@ -225,6 +235,16 @@ def _plan(module: nn.Module) -> tuple:
                 _Candidate(PromotingHFRMSNorm, "hf", dtypes,
                            "Hugging Face / Llama-style, fp32 weight: weight * x̂.to(x.dtype), promoted (fp32 for "
                            "bf16/fp16 inputs, as under autocast)"),
+                _Candidate(RMSNorm, "deepseek", dtypes, deepseek_order),
+            ]
+        if w.dtype in (torch.bfloat16, torch.float16):
+            # The other 16-bit dtype promotes with the gain to fp32 in HF (autocast to fp16 over a
+            # bf16 model): probed too, with fp32 inputs.
+            dtypes = [w.dtype, torch.float16 if w.dtype == torch.bfloat16 else torch.bfloat16, torch.float32]
+            return eps, False, [
+                _Candidate(PromotingHFRMSNorm, "hf", dtypes,
+                           f"Hugging Face / Llama-style, {str(w.dtype)[6:]} weight: weight * x̂.to(x.dtype), "
+                           "promoted (fp32 for inputs of the other 16-bit dtype)", {"gain_dtype": w.dtype}),
                 _Candidate(RMSNorm, "deepseek", dtypes, deepseek_order),
             ]
         return eps, False, [
@@ -298,8 +318,9 @@ def patch(model: nn.Module, *, probe: bool = True) -> PatchReport:
 
     ``y = weight * x / sqrt(mean(x^2) + eps)``: the reference ``RMSNorm`` and ``torch.nn.RMSNorm`` (CPU)
     become ``cast="deepseek"``, Hugging Face ``DeepseekV3RMSNorm`` / Llama-style norms ``cast="hf"``
-    (with a float32 weight a :class:`PromotingHFRMSNorm`, which also returns HF's fp32 result for
-    bf16/fp16 inputs; Llama-style classes of the other order, found by the probe, ``"deepseek"``);
+    (with a float32, bf16 or fp16 weight a :class:`PromotingHFRMSNorm`, which also returns HF's
+    promoted fp32 result for inputs of another 16-bit dtype; Llama-style classes of the other order,
+    found by the probe, ``"deepseek"``);
     the 1-D weight is copied exactly into dsnorm's float32 ``weight[dim]`` on the same device, with
     its ``requires_grad``; eps is read from the module. A module shared under several names is
     replaced by one shared dsnorm module, a gain tied between modules by one shared parameter.
@@ -309,7 +330,7 @@ def patch(model: nn.Module, *, probe: bool = True) -> PatchReport:
     Args:
         model: an ``nn.Module``; its children are replaced, the root itself never.
         probe: check every replacement bitwise on fixed probe inputs in the dtypes it will see (the
-            weight's dtype for HF norms; bf16/fp16/fp32 for an fp32 weight), with the module's own
+            weight's dtype for other HF norms; bf16/fp16/fp32 for an fp32, bf16 or fp16 one), with the module's own
             gain and a random one, and leave the module alone on any difference. ``False`` trusts
             the class alone (and takes the first cast it suggests).
 
@@ -346,7 +367,7 @@ def patch(model: nn.Module, *, probe: bool = True) -> PatchReport:
             w = old.weight
             diffs = []
             for option in options if probe else options[:1]:
-                new = option.cls(w.shape[0], eps, cast=option.cast, device=w.device)
+                new = option.cls(w.shape[0], eps, cast=option.cast, device=w.device, **option.kwargs)
                 with torch.no_grad():
                     new.weight.copy_(w.detach().to(torch.float32))
                 new.weight.requires_grad_(w.requires_grad)
