@@ -314,7 +314,62 @@ def test_hf_norms_with_a_16_bit_gain_promote_the_other_16_bit_dtype(gain_dtype):
         assert got.dtype == want.dtype and torch.equal(got, want), dtype
     assert list(new.state_dict()) == ["weight"]
     with pytest.raises(ValueError, match="gain_dtype must be"):
-        PromotingHFRMSNorm(8, gain_dtype=torch.float64)
+        PromotingHFRMSNorm(8, gain_dtype=torch.int32)
+
+
+def test_patched_hf_norms_follow_later_dtype_casts(ids):
+    # HF's gain follows .to(dtype) / .half() / .float() / .double(), and with it the promotion: a
+    # patched norm does the same. Every gain x cast x input dtype, against HF cast the same way.
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    gen = torch.Generator().manual_seed(12)
+    for gain_dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for cast in (None, torch.float32, torch.bfloat16, torch.float16, torch.float64):
+            norm = LlamaRMSNorm(48).to(gain_dtype)
+            with torch.no_grad():
+                norm.weight.copy_((1 + 0.5 * torch.randn(48, generator=gen)).to(gain_dtype))
+            model = nn.ModuleDict({"n": copy.deepcopy(norm)})
+            patch(model)
+            new = model["n"]
+            if cast is not None:
+                norm, new = norm.to(cast), new.to(cast)
+            for dtype in (torch.bfloat16, torch.float16, torch.float32):
+                x = (3 * torch.randn(5, 48, generator=gen)).to(dtype)
+                want, got = norm(x), new(x)
+                assert got.dtype == want.dtype and torch.equal(got, want), (gain_dtype, cast, dtype)
+    # A whole model, patched in fp32 then cast to bf16 (and in bf16 then cast to fp16): HF's logits.
+    for built, cast in ((torch.float32, torch.bfloat16), (torch.bfloat16, torch.float16)):
+        hf = tiny_deepseek_v3().to(built)
+        ours = copy.deepcopy(hf)
+        patch(ours)
+        hf, ours = hf.to(cast), ours.to(cast)
+        assert torch.equal(logits(ours, ids), logits(hf, ids)), (built, cast)
+
+
+def test_promoting_norm_keeps_the_fast_lane_where_nothing_is_promoted(monkeypatch):
+    from dsnorm import ops
+    from dsnorm.patching import PromotingHFRMSNorm
+
+    norm = PromotingHFRMSNorm(64, 1e-5, gain_dtype=torch.bfloat16, cast="hf")
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(0.5, 1.5, 64).to(torch.bfloat16).float())
+    lane = ops.lane or ops._load_lane()
+    calls = []
+    # The module's lane call passes its own weight; the promoted path's unit-gain norm passes ones.
+    monkeypatch.setattr(ops, "lane", lambda *a: (calls.append(a[0]) if a[3] is norm.weight else None, lane(*a))[1])
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for arg, dtype, taken in ((x, torch.bfloat16, True), (x.float(), torch.float32, True),
+                                  (x.half(), torch.float32, False)):
+            calls.clear()
+            out = norm(arg)
+            assert out.dtype == dtype and bool(calls) == taken, (arg.dtype, calls)
+        calls.clear()
+        y, res = norm(x.half(), x.half())  # the fused form is never promoted
+        assert y.dtype == torch.float16 and calls == [1]
+    # A module pickled before gain_dtype existed (fp32 gains only) has no instance attribute.
+    del norm.__dict__["gain_dtype"]
+    assert norm.gain_dtype == torch.float32 and norm(x).dtype == torch.float32
 
 
 def test_hf_llama_norm_and_shared_modules():

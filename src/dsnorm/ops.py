@@ -566,6 +566,10 @@ for _key in ("CPU", "CUDA"):
     lib.impl("rms_norm_bwd", rms_norm_bwd, _key)
     lib.impl("fused_add_rms_norm_bwd", fused_add_rms_norm_bwd, _key)
 
+def _joined(names) -> str:
+    return " and ".join(names) if len(names) <= 2 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
 def refuse_inplace_grad(x, residual, weight) -> None:
     """The in-place form has no derivative: in grad mode, an input that requires grad (a leaf, or a
     tensor inside a live graph) is refused, as torch's own in-place ops refuse a leaf, naming it."""
@@ -575,7 +579,7 @@ def refuse_inplace_grad(x, residual, weight) -> None:
              if isinstance(t, torch.Tensor) and t.requires_grad]
     if names:
         raise RuntimeError(
-            f"fused_add_rms_norm_ writes its inputs and has no gradient, but {' and '.join(names)} "
+            f"fused_add_rms_norm_ writes its inputs and has no gradient, but {_joined(names)} "
             f"require{'s' if len(names) == 1 else ''} grad; use fused_add_rms_norm for training or call it "
             "under torch.no_grad()"
         )

@@ -165,28 +165,57 @@ class PromotingHFRMSNorm(RMSNorm):
     """A Hugging Face / Llama-style norm: ``weight * x̂.to(x.dtype)`` with torch's type promotion
     between the gain's dtype ``gain_dtype`` and ``x``'s, ``x̂ = x * rsqrt(mean(x^2) + eps)`` in fp32.
 
-    Where the promotion changes nothing (``x`` in the gain's dtype, or fp32) that is ``cast="hf"``
-    (one kernel). Otherwise HF returns the promoted product, which no single dsnorm cast gives: for
-    bf16/fp16 ``x`` with an fp32 gain (an fp32 model under autocast, fp32 master weights) the fp32
-    product of the gain and the rounded x̂, and likewise fp32 for fp16 ``x`` with a bf16 gain or
-    bf16 ``x`` with an fp16 gain. x̂ is then rounded once by a unit-gain dsnorm norm and multiplied
-    by the gain in ``gain_dtype``, as HF does. :func:`patch` uses it for such norms; the weight
-    (float32, holding the gain's values), state_dict key and the other arguments are ``RMSNorm``'s.
+    Where the promotion changes nothing (``x`` in the gain's dtype or a wider one) that is ``cast="hf"``
+    (one kernel, and RMSNorm's fast lane). Otherwise HF returns the promoted product, which no
+    single dsnorm cast gives: for bf16/fp16 ``x`` with an fp32 gain (an fp32 model under autocast,
+    fp32 master weights) the fp32 product of the gain and the rounded x̂, and likewise fp32 for fp16
+    ``x`` with a bf16 gain or bf16 ``x`` with an fp16 gain. x̂ is then rounded once by a unit-gain
+    dsnorm norm and multiplied by the gain in ``gain_dtype``, as HF does. ``gain_dtype`` follows
+    the module's dtype casts (``.to(torch.bfloat16)``, ``.half()``, ``.float()``), as HF's gain
+    would. :func:`patch` uses it for such norms; the weight (holding the gain's values), state_dict
+    key and the other arguments are ``RMSNorm``'s.
     """
 
+    gain_dtype = torch.float32  # also for modules pickled before gain_dtype existed (fp32 gains only)
+
     def __init__(self, dim: int, eps: float = EPS, *, gain_dtype: torch.dtype = torch.float32, **kwargs):
-        if gain_dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise ValueError(f"gain_dtype must be torch.float32, torch.bfloat16 or torch.float16, got {gain_dtype}")
+        if gain_dtype not in _GAIN_DTYPES:
+            raise ValueError(f"gain_dtype must be a floating dtype of {_GAIN_DTYPES}, got {gain_dtype}")
         super().__init__(dim, eps, **kwargs)
         self.gain_dtype = gain_dtype
 
+    def _lane_takes(self, args) -> bool:
+        # The calls forward hands to RMSNorm.forward unchanged (not in a further subclass).
+        if type(self).forward is not PromotingHFRMSNorm.forward:
+            return False
+        if len(args) == 2 and args[1] is not None:
+            return True
+        return isinstance(args[0], torch.Tensor) and args[0].dtype in _UNPROMOTED[self.gain_dtype]
+
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
-        if residual is not None or x.dtype in (self.gain_dtype, torch.float32, torch.float64):
+        if residual is not None or x.dtype in _UNPROMOTED[self.gain_dtype]:
             return super().forward(x, residual)
         from dsnorm.autograd import rms_norm
 
         unit = torch.ones(self.dim, dtype=torch.float32, device=self.weight.device)
         return self.weight.to(self.gain_dtype) * rms_norm(x, unit, self.eps, cast="hf")
+
+    def _apply(self, fn, recurse=True):
+        # What this cast does to a tensor of the gain's dtype is what it would do to HF's gain.
+        gain = fn(torch.empty(0, dtype=self.gain_dtype, device=self.weight.device)).dtype
+        out = super()._apply(fn, recurse)
+        if gain in _GAIN_DTYPES:
+            self.gain_dtype = gain
+        return out
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, gain_dtype={self.gain_dtype}"
+
+
+_GAIN_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+# For each gain dtype, the activation dtypes its product leaves in their own dtype (no promotion):
+# those take RMSNorm's forward with cast="hf" (fp64 is computed in fp64, dsnorm's departure).
+_UNPROMOTED = {g: frozenset(d for d in _GAIN_DTYPES if torch.promote_types(g, d) == d) for g in _GAIN_DTYPES}
 
 
 @dataclass
@@ -228,30 +257,15 @@ def _plan(module: nn.Module) -> tuple:
         # Most such classes compute weight * x̂.to(x.dtype) (DeepseekV3, Llama, Qwen, Mistral); some
         # (Olmo2, GptOss) (weight * x̂).to(x.dtype): the probe, with a non-unit gain, tells them apart.
         deepseek_order = "Llama-style class whose probe matches (weight * x̂) in fp32, cast once"
-        if w.dtype == torch.float32:
-            # An fp32 gain meets bf16/fp16 activations under autocast: probe those too.
-            dtypes = [torch.float32, torch.bfloat16, torch.float16]
-            return eps, False, [
-                _Candidate(PromotingHFRMSNorm, "hf", dtypes,
-                           "Hugging Face / Llama-style, fp32 weight: weight * x̂.to(x.dtype), promoted (fp32 for "
-                           "bf16/fp16 inputs, as under autocast)"),
-                _Candidate(RMSNorm, "deepseek", dtypes, deepseek_order),
-            ]
-        if w.dtype in (torch.bfloat16, torch.float16):
-            # The other 16-bit dtype promotes with the gain to fp32 in HF (autocast to fp16 over a
-            # bf16 model): probed too, with fp32 inputs.
-            dtypes = [w.dtype, torch.float16 if w.dtype == torch.bfloat16 else torch.bfloat16, torch.float32]
-            return eps, False, [
-                _Candidate(PromotingHFRMSNorm, "hf", dtypes,
-                           f"Hugging Face / Llama-style, {str(w.dtype)[6:]} weight: weight * x̂.to(x.dtype), "
-                           "promoted (fp32 for inputs of the other 16-bit dtype)", {"gain_dtype": w.dtype}),
-                _Candidate(RMSNorm, "deepseek", dtypes, deepseek_order),
-            ]
+        # HF promotes the gain with activations of another dtype: an fp32 gain meets bf16/fp16
+        # activations under autocast (fp32 out), a bf16 gain fp16 ones under an fp16 autocast (fp32
+        # out). Probed in all three dtypes (_weight_1d admits only these gains).
+        dtypes = [w.dtype] + [d for d in (torch.float32, torch.bfloat16, torch.float16) if d != w.dtype]
         return eps, False, [
-            _Candidate(RMSNorm, "hf", [w.dtype],
-                       f"Hugging Face / Llama-style: weight * x̂.to(x.dtype), weight {str(w.dtype)[6:]}; "
-                       f"inputs assumed in the weight's dtype (the model's)"),
-            _Candidate(RMSNorm, "deepseek", [w.dtype], deepseek_order),
+            _Candidate(PromotingHFRMSNorm, "hf", dtypes,
+                       f"Hugging Face / Llama-style, {str(w.dtype)[6:]} weight: weight * x̂.to(x.dtype), promoted "
+                       "(fp32 for activations of another dtype)", {"gain_dtype": w.dtype}),
+            _Candidate(RMSNorm, "deepseek", dtypes, deepseek_order),
         ]
     if (cls in ("RMSNorm", "RMSNormRef") and hasattr(module, "eps") and hasattr(module, "dim")
             and "residual" in (_forward_params(module) or ())):
@@ -329,10 +343,11 @@ def patch(model: nn.Module, *, probe: bool = True) -> PatchReport:
 
     Args:
         model: an ``nn.Module``; its children are replaced, the root itself never.
-        probe: check every replacement bitwise on fixed probe inputs in the dtypes it will see (the
-            weight's dtype for other HF norms; bf16/fp16/fp32 for an fp32, bf16 or fp16 one), with the module's own
-            gain and a random one, and leave the module alone on any difference. ``False`` trusts
-            the class alone (and takes the first cast it suggests).
+        probe: check every replacement bitwise on fixed probe inputs in the dtypes it will see
+            (bf16 and fp32 for the reference class, those and the weight's dtype for
+            torch.nn.RMSNorm, bf16, fp16 and fp32 for HF norms), with the module's own gain and a
+            random one, and leave the module alone on any difference. ``False`` trusts the class
+            alone (and takes the first cast it suggests).
 
     Returns:
         :class:`PatchReport`: what was replaced (with cast and eps) and what was left alone and why
