@@ -350,26 +350,91 @@ def test_promoting_norm_keeps_the_fast_lane_where_nothing_is_promoted(monkeypatc
     from dsnorm import ops
     from dsnorm.patching import PromotingHFRMSNorm
 
-    norm = PromotingHFRMSNorm(64, 1e-5, gain_dtype=torch.bfloat16, cast="hf")
+    norm = PromotingHFRMSNorm(64, 1e-5, gain_dtype=torch.bfloat16)
     with torch.no_grad():
         norm.weight.copy_(torch.linspace(0.5, 1.5, 64).to(torch.bfloat16).float())
-    lane = ops.lane or ops._load_lane()
-    calls = []
-    # The module's lane call passes its own weight; the promoted path's unit-gain norm passes ones.
-    monkeypatch.setattr(ops, "lane", lambda *a: (calls.append(a[0]) if a[3] is norm.weight else None, lane(*a))[1])
+    ops.lane or ops._load_lane()
+    # forward runs only when the fast lane declines the call (it is RMSNorm.__call__'s fallback).
+    forward, calls = PromotingHFRMSNorm.forward, []
+    monkeypatch.setattr(PromotingHFRMSNorm, "forward", lambda self, *a, **k: (calls.append(1), forward(self, *a, **k))[1])
     x = torch.randn(3, 64, dtype=torch.bfloat16)
     with torch.no_grad():
-        for arg, dtype, taken in ((x, torch.bfloat16, True), (x.float(), torch.float32, True),
-                                  (x.half(), torch.float32, False)):
+        for args, dtype, lane in (((x,), torch.bfloat16, True), ((x.float(),), torch.float32, True),
+                                  ((x, None), torch.bfloat16, True), ((x.half(), x.half()), torch.float16, True),
+                                  ((x.half(),), torch.float32, False), ((x.half(), None), torch.float32, False)):
             calls.clear()
-            out = norm(arg)
-            assert out.dtype == dtype and bool(calls) == taken, (arg.dtype, calls)
+            out = norm(*args)
+            out = out[0] if isinstance(out, tuple) else out
+            assert out.dtype == dtype and calls == ([] if lane else [1]), ([a.dtype for a in args if a is not None], calls)
         calls.clear()
-        y, res = norm(x.half(), x.half())  # the fused form is never promoted
-        assert y.dtype == torch.float16 and calls == [1]
+        norm(x, residual=None)  # keywords take nn.Module's path
+        assert calls == [1]
     # A module pickled before gain_dtype existed (fp32 gains only) has no instance attribute.
     del norm.__dict__["gain_dtype"]
     assert norm.gain_dtype == torch.float32 and norm(x).dtype == torch.float32
+    with pytest.raises(ValueError, match="cast must be 'hf'"):
+        PromotingHFRMSNorm(8, cast="deepseek")
+
+
+def test_promoting_norm_gain_follows_the_weight_and_foreign_applies():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from dsnorm.patching import PromotingHFRMSNorm
+
+    gen = torch.Generator().manual_seed(13)
+    hf = LlamaRMSNorm(48)
+    with torch.no_grad():
+        hf.weight.copy_(1 + 0.5 * torch.randn(48, generator=gen))
+    model = nn.ModuleDict({"n": copy.deepcopy(hf)})
+    patch(model)
+    ours = model["n"]
+    assert type(ours) is PromotingHFRMSNorm and ours.gain() == torch.float32
+    # A bf16 state_dict assigned (not copied) makes both gains bf16: fp16 activations promote.
+    sd = {"weight": hf.weight.detach().to(torch.bfloat16)}
+    hf.load_state_dict(sd, assign=True)
+    ours.load_state_dict({"weight": sd["weight"].clone()}, assign=True)
+    assert ours.gain() == torch.bfloat16
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        x = (3 * torch.randn(5, 48, generator=gen)).to(dtype)
+        want, got = hf(x), ours(x)
+        assert got.dtype == want.dtype and torch.equal(got, want), dtype
+    # _apply's probe never needs the weight, and a fn that refuses foreign tensors is tolerated.
+    ours.weight = None
+    ours.half()
+    assert ours.gain_dtype == torch.float16
+    def own_tensors_only(t):
+        if t.numel() == 0:
+            raise RuntimeError("not one of mine")
+        return t
+    ours._apply(own_tensors_only)
+    assert ours.gain_dtype == torch.float16
+
+
+def test_fx_traces_a_patched_promoting_norm():
+    # The dtype test of the promotion cannot take a Proxy: it is a graph node, as the norms are.
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = LlamaRMSNorm(48)
+
+        def forward(self, x):
+            return self.norm(x) * 2
+
+    gen = torch.Generator().manual_seed(14)
+    hf = Block().to(torch.bfloat16)
+    with torch.no_grad():
+        hf.norm.weight.copy_((1 + 0.5 * torch.randn(48, generator=gen)).to(torch.bfloat16))
+    ours = copy.deepcopy(hf)
+    patch(ours)
+    gm = torch.fx.symbolic_trace(ours)
+    assert "promoted_hf_norm" in {getattr(n.target, "__name__", "") for n in gm.graph.nodes if n.op == "call_function"}
+    with torch.no_grad():
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            x = (3 * torch.randn(5, 48, generator=gen)).to(dtype)
+            want, got = hf(x), gm(x)
+            assert got.dtype == want.dtype and torch.equal(got, want), dtype
 
 
 def test_hf_llama_norm_and_shared_modules():

@@ -36,6 +36,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from dsnorm.autograd import rms_norm
 from dsnorm.module import RMSNorm
 from dsnorm.ops import EPS_MAX, EPS_MIN, _as_float
 from dsnorm.ref import EPS
@@ -163,17 +164,20 @@ def _check_replaceable(module: nn.Module) -> None:
 
 class PromotingHFRMSNorm(RMSNorm):
     """A Hugging Face / Llama-style norm: ``weight * x̂.to(x.dtype)`` with torch's type promotion
-    between the gain's dtype ``gain_dtype`` and ``x``'s, ``x̂ = x * rsqrt(mean(x^2) + eps)`` in fp32.
+    between the gain's dtype and ``x``'s, ``x̂ = x * rsqrt(mean(x^2) + eps)`` in fp32.
 
-    Where the promotion changes nothing (``x`` in the gain's dtype or a wider one) that is ``cast="hf"``
-    (one kernel, and RMSNorm's fast lane). Otherwise HF returns the promoted product, which no
-    single dsnorm cast gives: for bf16/fp16 ``x`` with an fp32 gain (an fp32 model under autocast,
-    fp32 master weights) the fp32 product of the gain and the rounded x̂, and likewise fp32 for fp16
-    ``x`` with a bf16 gain or bf16 ``x`` with an fp16 gain. x̂ is then rounded once by a unit-gain
-    dsnorm norm and multiplied by the gain in ``gain_dtype``, as HF does. ``gain_dtype`` follows
-    the module's dtype casts (``.to(torch.bfloat16)``, ``.half()``, ``.float()``), as HF's gain
-    would. :func:`patch` uses it for such norms; the weight (holding the gain's values), state_dict
-    key and the other arguments are ``RMSNorm``'s.
+    Where the promotion changes nothing (``x`` in the gain's dtype or a wider one) that is
+    ``cast="hf"`` (one kernel, and RMSNorm's fast lane). Otherwise HF returns the promoted product,
+    which no single dsnorm cast gives: for bf16/fp16 ``x`` with an fp32 gain (an fp32 model under
+    autocast, fp32 master weights) the fp32 product of the gain and the rounded x̂, and likewise
+    fp32 for fp16 ``x`` with a bf16 gain or bf16 ``x`` with an fp16 gain. x̂ is then rounded once
+    by a unit-gain dsnorm norm and multiplied by the gain in the gain's dtype, as HF does.
+
+    The gain's dtype is the weight's own when that is not fp32 (after ``.to(torch.bfloat16)``,
+    ``load_state_dict(..., assign=True)`` or a mixed-precision wrapper's cast, as HF's gain would
+    be), else ``gain_dtype``: the dtype of the gain the fp32 weight holds, which follows the
+    module's casts (``.half()``, ``.float()``). :func:`patch` uses this class for HF norms; the
+    weight, state_dict key and the other arguments are ``RMSNorm``'s, with ``cast="hf"``.
     """
 
     gain_dtype = torch.float32  # also for modules pickled before gain_dtype existed (fp32 gains only)
@@ -181,8 +185,17 @@ class PromotingHFRMSNorm(RMSNorm):
     def __init__(self, dim: int, eps: float = EPS, *, gain_dtype: torch.dtype = torch.float32, **kwargs):
         if gain_dtype not in _GAIN_DTYPES:
             raise ValueError(f"gain_dtype must be a floating dtype of {_GAIN_DTYPES}, got {gain_dtype}")
+        if kwargs.setdefault("cast", "hf") != "hf":
+            raise ValueError(f"cast must be 'hf' for PromotingHFRMSNorm (HF's order), got {kwargs['cast']!r}")
         super().__init__(dim, eps, **kwargs)
         self.gain_dtype = gain_dtype
+
+    def gain(self) -> torch.dtype:
+        """The dtype HF's gain would have here (see the class docstring)."""
+        w = self._parameters.get("weight")
+        if w is not None and w.dtype is not torch.float32 and w.dtype in _UNPROMOTED:
+            return w.dtype
+        return self.gain_dtype
 
     def _lane_takes(self, args) -> bool:
         # The calls forward hands to RMSNorm.forward unchanged (not in a further subclass).
@@ -190,19 +203,22 @@ class PromotingHFRMSNorm(RMSNorm):
             return False
         if len(args) == 2 and args[1] is not None:
             return True
-        return isinstance(args[0], torch.Tensor) and args[0].dtype in _UNPROMOTED[self.gain_dtype]
+        return isinstance(args[0], torch.Tensor) and args[0].dtype in _UNPROMOTED[self.gain()]
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
-        if residual is not None or x.dtype in _UNPROMOTED[self.gain_dtype]:
+        if residual is not None:
             return super().forward(x, residual)
-        from dsnorm.autograd import rms_norm
-
-        unit = torch.ones(self.dim, dtype=torch.float32, device=self.weight.device)
-        return self.weight.to(self.gain_dtype) * rms_norm(x, unit, self.eps, cast="hf")
+        return promoted_hf_norm(x, self.weight, self.eps, self.gain())
 
     def _apply(self, fn, recurse=True):
-        # What this cast does to a tensor of the gain's dtype is what it would do to HF's gain.
-        gain = fn(torch.empty(0, dtype=self.gain_dtype, device=self.weight.device)).dtype
+        # What this cast does to a tensor of the gain's dtype is what it would do to HF's gain. A
+        # caller's fn that takes only its own tensors (FSDP) may refuse the probe; the weight's
+        # dtype then still says what a dtype cast did (gain()).
+        weight = self._parameters.get("weight")
+        try:
+            gain = fn(torch.empty(0, dtype=self.gain_dtype, device="cpu" if weight is None else weight.device)).dtype
+        except Exception:
+            gain = None
         out = super()._apply(fn, recurse)
         if gain in _GAIN_DTYPES:
             self.gain_dtype = gain
@@ -216,6 +232,26 @@ _GAIN_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 # For each gain dtype, the activation dtypes its product leaves in their own dtype (no promotion):
 # those take RMSNorm's forward with cast="hf" (fp64 is computed in fp64, dsnorm's departure).
 _UNPROMOTED = {g: frozenset(d for d in _GAIN_DTYPES if torch.promote_types(g, d) == d) for g in _GAIN_DTYPES}
+
+
+def promoted_hf_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gain_dtype: torch.dtype) -> torch.Tensor:
+    """HF's ``weight * x̂.to(x.dtype)`` with the gain in ``gain_dtype`` and torch's promotion.
+
+    Args:
+        x: ``[..., n]`` float32 / bfloat16 / float16 / float64.
+        weight: ``[n]`` the gain's values (any dtype that holds them).
+        eps: as :func:`dsnorm.rms_norm`.
+        gain_dtype: the dtype HF's gain has (a key of ``_UNPROMOTED``).
+    """
+    if not isinstance(x, torch.Tensor) or x.dtype in _UNPROMOTED[gain_dtype]:
+        return rms_norm(x, weight, eps, cast="hf")  # (a non-tensor x is named there)
+    unit = torch.ones(weight.shape[-1], dtype=torch.float32, device=weight.device)
+    return weight.to(gain_dtype) * rms_norm(x, unit, eps, cast="hf")
+
+
+# torch.fx.symbolic_trace records it as a node (the dtype test cannot take a Proxy), as module.py
+# does for the norms themselves.
+torch.fx.wrap("promoted_hf_norm")
 
 
 @dataclass
