@@ -388,12 +388,12 @@ def test_promoting_norm_gain_follows_the_weight_and_foreign_applies():
     model = nn.ModuleDict({"n": copy.deepcopy(hf)})
     patch(model)
     ours = model["n"]
-    assert type(ours) is PromotingHFRMSNorm and ours.gain() == torch.float32
+    assert type(ours) is PromotingHFRMSNorm and ours._gain_dtype() == torch.float32
     # A bf16 state_dict assigned (not copied) makes both gains bf16: fp16 activations promote.
     sd = {"weight": hf.weight.detach().to(torch.bfloat16)}
     hf.load_state_dict(sd, assign=True)
     ours.load_state_dict({"weight": sd["weight"].clone()}, assign=True)
-    assert ours.gain() == torch.bfloat16
+    assert ours._gain_dtype() == torch.bfloat16
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         x = (3 * torch.randn(5, 48, generator=gen)).to(dtype)
         want, got = hf(x), ours(x)
@@ -408,6 +408,48 @@ def test_promoting_norm_gain_follows_the_weight_and_foreign_applies():
         return t
     ours._apply(own_tensors_only)
     assert ours.gain_dtype == torch.float16
+
+
+def test_promoting_norm_loads_state_dicts_and_norms_as_hf_would(tmp_path):
+    # HF's bf16 parameter rounds what a copying load_state_dict gives it, and becomes whatever an
+    # assigning one gives it; a wrapper may swap the parameter for a plain tensor (FSDP's
+    # use_orig_params=False with mixed precision). The patched norm follows each; load_norms
+    # refuses gains the HF parameter could not hold exactly.
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    gen = torch.Generator().manual_seed(15)
+    fp32_values = 1 + 0.5 * torch.randn(48, generator=gen)  # not representable in bf16
+
+    def fresh():
+        hf = LlamaRMSNorm(48).to(torch.bfloat16)
+        model = nn.ModuleDict({"n": copy.deepcopy(hf)})
+        patch(model)
+        return hf, model
+
+    def same(hf, ours, what):
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            x = (3 * torch.randn(5, 48, generator=gen)).to(dtype)
+            want, got = hf(x), ours(x)
+            assert got.dtype == want.dtype and torch.equal(got, want), (what, dtype)
+
+    for assign in (False, True):
+        hf, model = fresh()
+        hf.load_state_dict({"weight": fp32_values.clone()}, assign=assign)
+        model["n"].load_state_dict({"weight": fp32_values.clone()}, assign=assign)
+        assert model["n"].gain_dtype == (torch.float32 if assign else torch.bfloat16)
+        same(hf, model["n"], f"assign={assign}")
+    hf, model = fresh()
+    plain = fp32_values.to(torch.bfloat16)
+    del hf._parameters["weight"], model["n"]._parameters["weight"]
+    hf.weight, model["n"].weight = plain, plain.clone()
+    same(hf, model["n"], "plain-tensor weight")
+    _, model = fresh()
+    save_file({"n.weight": fp32_values.clone()}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"patched norm's torch.bfloat16 gain"):
+        load_norms(model, tmp_path)
+    save_file({"n.weight": fp32_values.to(torch.bfloat16).float()}, str(tmp_path / "model.safetensors"))
+    load_norms(model, tmp_path)
+    assert torch.equal(model["n"].weight, fp32_values.to(torch.bfloat16).float())
 
 
 def test_fx_traces_a_patched_promoting_norm():
@@ -429,12 +471,18 @@ def test_fx_traces_a_patched_promoting_norm():
     ours = copy.deepcopy(hf)
     patch(ours)
     gm = torch.fx.symbolic_trace(ours)
-    assert "promoted_hf_norm" in {getattr(n.target, "__name__", "") for n in gm.graph.nodes if n.op == "call_function"}
+    assert "_promoted_hf_norm" in {getattr(n.target, "__name__", "") for n in gm.graph.nodes if n.op == "call_function"}
     with torch.no_grad():
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
             x = (3 * torch.randn(5, 48, generator=gen)).to(dtype)
             want, got = hf(x), gm(x)
             assert got.dtype == want.dtype and torch.equal(got, want), dtype
+        # The graph takes the gain's dtype from the weight it is given: it follows a later cast.
+        hf, gm = hf.half(), gm.half()
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            x = (3 * torch.randn(5, 48, generator=gen)).to(dtype)
+            want, got = hf(x), gm(x)
+            assert got.dtype == want.dtype and torch.equal(got, want), ("after half", dtype)
 
 
 def test_hf_llama_norm_and_shared_modules():

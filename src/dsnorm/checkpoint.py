@@ -779,6 +779,14 @@ def load_norms(model, path: Union[str, os.PathLike]) -> LoadReport:
         if not bool(((back == v) | (back.isnan() & v.isnan())).all()):
             problems.append(f"{mname}: {info.name} ({info.dtype}) is not exactly representable in the "
                             f"parameter's {p.dtype}")
+        # A patched HF norm (patching.PromotingHFRMSNorm) holds a gain of a narrower dtype in its
+        # fp32 weight, as the HF parameter it replaced did: the values must fit that dtype too.
+        gain = getattr(mod, "gain_dtype", None)
+        if p.dtype == torch.float32 and gain in (torch.bfloat16, torch.float16):
+            back = v.to(gain).to(v.dtype)
+            if not bool(((back == v) | (back.isnan() & v.isnan())).all()):
+                problems.append(f"{mname}: {info.name} ({info.dtype}) is not exactly representable in the "
+                                f"patched norm's {gain} gain (the dtype of the HF parameter it replaced)")
         values.append(cast)
     if problems:
         raise ValueError(f"load_norms({files.path}): nothing loaded; {len(problems)} problem(s):\n  " + "\n  ".join(problems))

@@ -173,11 +173,14 @@ class PromotingHFRMSNorm(RMSNorm):
     fp32 for fp16 ``x`` with a bf16 gain or bf16 ``x`` with an fp16 gain. x̂ is then rounded once
     by a unit-gain dsnorm norm and multiplied by the gain in the gain's dtype, as HF does.
 
-    The gain's dtype is the weight's own when that is not fp32 (after ``.to(torch.bfloat16)``,
-    ``load_state_dict(..., assign=True)`` or a mixed-precision wrapper's cast, as HF's gain would
-    be), else ``gain_dtype``: the dtype of the gain the fp32 weight holds, which follows the
-    module's casts (``.half()``, ``.float()``). :func:`patch` uses this class for HF norms; the
-    weight, state_dict key and the other arguments are ``RMSNorm``'s, with ``cast="hf"``.
+    The gain's dtype is the weight's own when that is not fp32 (after ``.to(torch.bfloat16)`` or a
+    mixed-precision wrapper's cast, as HF's gain would be), else ``gain_dtype``: the dtype of the
+    gain the fp32 weight holds. ``gain_dtype`` follows the module's casts (``.half()``,
+    ``.float()``) and ``load_state_dict(..., assign=True)`` (the assigned tensor's dtype); a copying
+    ``load_state_dict`` rounds the loaded values to it, as HF's narrower parameter would (and
+    :func:`dsnorm.load_norms` refuses values it cannot hold exactly). :func:`patch` uses this class
+    for HF norms; the weight, state_dict key and the other arguments are ``RMSNorm``'s, with
+    ``cast="hf"``.
     """
 
     gain_dtype = torch.float32  # also for modules pickled before gain_dtype existed (fp32 gains only)
@@ -190,12 +193,9 @@ class PromotingHFRMSNorm(RMSNorm):
         super().__init__(dim, eps, **kwargs)
         self.gain_dtype = gain_dtype
 
-    def gain(self) -> torch.dtype:
+    def _gain_dtype(self) -> torch.dtype:
         """The dtype HF's gain would have here (see the class docstring)."""
-        w = self._parameters.get("weight")
-        if w is not None and w.dtype is not torch.float32 and w.dtype in _UNPROMOTED:
-            return w.dtype
-        return self.gain_dtype
+        return _gain_dtype(self._parameters.get("weight"), self.gain_dtype)
 
     def _lane_takes(self, args) -> bool:
         # The calls forward hands to RMSNorm.forward unchanged (not in a further subclass).
@@ -203,26 +203,45 @@ class PromotingHFRMSNorm(RMSNorm):
             return False
         if len(args) == 2 and args[1] is not None:
             return True
-        return isinstance(args[0], torch.Tensor) and args[0].dtype in _UNPROMOTED[self.gain()]
+        return isinstance(args[0], torch.Tensor) and args[0].dtype in _UNPROMOTED[self._gain_dtype()]
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
         if residual is not None:
             return super().forward(x, residual)
-        return promoted_hf_norm(x, self.weight, self.eps, self.gain())
+        # The weight as the call sees it (a wrapper may have swapped it) decides the gain's dtype
+        # inside the function, so an FX graph traced here follows later casts too.
+        return _promoted_hf_norm(x, self.weight, self.eps, self.gain_dtype)
 
     def _apply(self, fn, recurse=True):
         # What this cast does to a tensor of the gain's dtype is what it would do to HF's gain. A
-        # caller's fn that takes only its own tensors (FSDP) may refuse the probe; the weight's
-        # dtype then still says what a dtype cast did (gain()).
+        # caller's fn that takes only its own tensors may refuse the probe; the weight's dtype then
+        # still says what a dtype cast did (_gain_dtype).
         weight = self._parameters.get("weight")
         try:
             gain = fn(torch.empty(0, dtype=self.gain_dtype, device="cpu" if weight is None else weight.device)).dtype
-        except Exception:
+        except (RuntimeError, TypeError, ValueError):
             gain = None
         out = super()._apply(fn, recurse)
         if gain in _GAIN_DTYPES:
             self.gain_dtype = gain
         return out
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        incoming = state_dict.get(prefix + "weight")
+        errors = len(error_msgs)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        if not isinstance(incoming, torch.Tensor) or len(error_msgs) > errors:
+            return
+        if local_metadata.get("assign_to_params_buffers", False):
+            if incoming.dtype in _GAIN_DTYPES:  # the assigned tensor is the gain now, in its dtype
+                self.gain_dtype = incoming.dtype
+            return
+        w = self._parameters.get("weight")
+        if w is not None and w.dtype is torch.float32 and self.gain_dtype in (torch.bfloat16, torch.float16):
+            with torch.no_grad():  # HF's parameter of the gain's dtype would round the copied values
+                w.copy_(w.to(self.gain_dtype))
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, gain_dtype={self.gain_dtype}"
@@ -234,15 +253,23 @@ _GAIN_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _UNPROMOTED = {g: frozenset(d for d in _GAIN_DTYPES if torch.promote_types(g, d) == d) for g in _GAIN_DTYPES}
 
 
-def promoted_hf_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gain_dtype: torch.dtype) -> torch.Tensor:
-    """HF's ``weight * x̂.to(x.dtype)`` with the gain in ``gain_dtype`` and torch's promotion.
+def _gain_dtype(weight, gain_dtype: torch.dtype) -> torch.dtype:
+    if isinstance(weight, torch.Tensor) and weight.dtype is not torch.float32 and weight.dtype in _UNPROMOTED:
+        return weight.dtype
+    return gain_dtype
+
+
+def _promoted_hf_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gain_dtype: torch.dtype) -> torch.Tensor:
+    """HF's ``weight * x̂.to(x.dtype)`` with torch's promotion, the gain in the weight's dtype, or in
+    ``gain_dtype`` when the weight is fp32 (see PromotingHFRMSNorm).
 
     Args:
         x: ``[..., n]`` float32 / bfloat16 / float16 / float64.
-        weight: ``[n]`` the gain's values (any dtype that holds them).
+        weight: ``[n]`` the gain's values.
         eps: as :func:`dsnorm.rms_norm`.
-        gain_dtype: the dtype HF's gain has (a key of ``_UNPROMOTED``).
+        gain_dtype: a key of ``_UNPROMOTED``.
     """
+    gain_dtype = _gain_dtype(weight, gain_dtype)
     if not isinstance(x, torch.Tensor) or x.dtype in _UNPROMOTED[gain_dtype]:
         return rms_norm(x, weight, eps, cast="hf")  # (a non-tensor x is named there)
     unit = torch.ones(weight.shape[-1], dtype=torch.float32, device=weight.device)
@@ -251,7 +278,7 @@ def promoted_hf_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gain_dty
 
 # torch.fx.symbolic_trace records it as a node (the dtype test cannot take a Proxy), as module.py
 # does for the norms themselves.
-torch.fx.wrap("promoted_hf_norm")
+torch.fx.wrap("_promoted_hf_norm")
 
 
 @dataclass
