@@ -359,7 +359,8 @@ def test_promoting_norm_keeps_the_fast_lane_where_nothing_is_promoted(monkeypatc
     monkeypatch.setattr(PromotingHFRMSNorm, "forward", lambda self, *a, **k: (calls.append(1), forward(self, *a, **k))[1])
     x = torch.randn(3, 64, dtype=torch.bfloat16)
     with torch.no_grad():
-        for args, dtype, lane in (((x,), torch.bfloat16, True), ((x.float(),), torch.float32, True),
+        # fp32 x with a bf16 gain: the gain is the weight rounded to bf16, which the lane does not do.
+        for args, dtype, lane in (((x,), torch.bfloat16, True), ((x.float(),), torch.float32, False),
                                   ((x, None), torch.bfloat16, True), ((x.half(), x.half()), torch.float16, True),
                                   ((x.half(),), torch.float32, False), ((x.half(), None), torch.float32, False)):
             calls.clear()
@@ -411,14 +412,17 @@ def test_promoting_norm_gain_follows_the_weight_and_foreign_applies():
 
 
 def test_promoting_norm_loads_state_dicts_and_norms_as_hf_would(tmp_path):
-    # HF's bf16 parameter rounds what a copying load_state_dict gives it, and becomes whatever an
-    # assigning one gives it; a wrapper may swap the parameter for a plain tensor (FSDP's
-    # use_orig_params=False with mixed precision). The patched norm follows each; load_norms
+    # HF's bf16 parameter rounds the fp32 values a copying load_state_dict gives it; the patched
+    # norm keeps them in its fp32 weight and rounds them where the gain is used, so its outputs are
+    # HF's for every input dtype, and a model reloading its own state_dict (copied or assigned,
+    # after training moved the weight off the bf16 grid) is unchanged. A wrapper may swap the
+    # parameter for a plain tensor (FSDP's use_orig_params=False with mixed precision). load_norms
     # refuses gains the HF parameter could not hold exactly.
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     gen = torch.Generator().manual_seed(15)
     fp32_values = 1 + 0.5 * torch.randn(48, generator=gen)  # not representable in bf16
+    xs = [(3 * torch.randn(5, 48, generator=gen)).to(d) for d in (torch.bfloat16, torch.float16, torch.float32)]
 
     def fresh():
         hf = LlamaRMSNorm(48).to(torch.bfloat16)
@@ -426,23 +430,28 @@ def test_promoting_norm_loads_state_dicts_and_norms_as_hf_would(tmp_path):
         patch(model)
         return hf, model
 
-    def same(hf, ours, what):
-        for dtype in (torch.bfloat16, torch.float16, torch.float32):
-            x = (3 * torch.randn(5, 48, generator=gen)).to(dtype)
-            want, got = hf(x), ours(x)
-            assert got.dtype == want.dtype and torch.equal(got, want), (what, dtype)
+    def outputs(norm):
+        with torch.no_grad():
+            return [norm(x) for x in xs]
 
+    def same(want, got, what):
+        for w, g in zip(want, got):
+            assert g.dtype == w.dtype and torch.equal(g, w), (what, w.dtype)
+
+    hf, model = fresh()
+    hf.load_state_dict({"weight": fp32_values.clone()})
+    model["n"].load_state_dict({"weight": fp32_values.clone()})
+    assert torch.equal(model["n"].weight, fp32_values)
+    same(outputs(hf), outputs(model["n"]), "copied fp32 values")
+    before = outputs(model["n"])
     for assign in (False, True):
-        hf, model = fresh()
-        hf.load_state_dict({"weight": fp32_values.clone()}, assign=assign)
-        model["n"].load_state_dict({"weight": fp32_values.clone()}, assign=assign)
-        assert model["n"].gain_dtype == (torch.float32 if assign else torch.bfloat16)
-        same(hf, model["n"], f"assign={assign}")
+        model.load_state_dict(copy.deepcopy(model.state_dict()), assign=assign)
+        same(before, outputs(model["n"]), f"own state_dict, assign={assign}")
     hf, model = fresh()
     plain = fp32_values.to(torch.bfloat16)
     del hf._parameters["weight"], model["n"]._parameters["weight"]
     hf.weight, model["n"].weight = plain, plain.clone()
-    same(hf, model["n"], "plain-tensor weight")
+    same(outputs(hf), outputs(model["n"]), "plain-tensor weight")
     _, model = fresh()
     save_file({"n.weight": fp32_values.clone()}, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match=r"patched norm's torch.bfloat16 gain"):

@@ -786,7 +786,7 @@ def load_norms(model, path: Union[str, os.PathLike]) -> LoadReport:
             back = v.to(gain).to(v.dtype)
             if not bool(((back == v) | (back.isnan() & v.isnan())).all()):
                 problems.append(f"{mname}: {info.name} ({info.dtype}) is not exactly representable in the "
-                                f"patched norm's {gain} gain (the dtype of the HF parameter it replaced)")
+                                f"patched norm's {gain} gain (the dtype HF's parameter would have)")
         values.append(cast)
     if problems:
         raise ValueError(f"load_norms({files.path}): nothing loaded; {len(problems)} problem(s):\n  " + "\n  ".join(problems))

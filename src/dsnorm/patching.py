@@ -175,12 +175,12 @@ class PromotingHFRMSNorm(RMSNorm):
 
     The gain's dtype is the weight's own when that is not fp32 (after ``.to(torch.bfloat16)`` or a
     mixed-precision wrapper's cast, as HF's gain would be), else ``gain_dtype``: the dtype of the
-    gain the fp32 weight holds. ``gain_dtype`` follows the module's casts (``.half()``,
-    ``.float()``) and ``load_state_dict(..., assign=True)`` (the assigned tensor's dtype); a copying
-    ``load_state_dict`` rounds the loaded values to it, as HF's narrower parameter would (and
-    :func:`dsnorm.load_norms` refuses values it cannot hold exactly). :func:`patch` uses this class
-    for HF norms; the weight, state_dict key and the other arguments are ``RMSNorm``'s, with
-    ``cast="hf"``.
+    gain the fp32 weight stands for, which follows the module's casts (``.half()``, ``.float()``).
+    The gain is the weight rounded to that dtype, as HF's parameter would hold it (an fp32 value
+    copied in by ``load_state_dict`` is rounded where it is used, not where it is stored, so a
+    model reloading its own state_dict is unchanged; :func:`dsnorm.load_norms` refuses such
+    values). :func:`patch` uses this class for HF norms; the weight (fp32 as patched), state_dict
+    key and the other arguments are ``RMSNorm``'s, with ``cast="hf"``.
     """
 
     gain_dtype = torch.float32  # also for modules pickled before gain_dtype existed (fp32 gains only)
@@ -198,18 +198,24 @@ class PromotingHFRMSNorm(RMSNorm):
         return _gain_dtype(self._parameters.get("weight"), self.gain_dtype)
 
     def _lane_takes(self, args) -> bool:
-        # The calls forward hands to RMSNorm.forward unchanged (not in a further subclass).
+        # The calls forward hands to RMSNorm's computation unchanged (not in a further subclass):
+        # the fused form, and x of the gain's dtype (cast="hf" rounds the weight to it) or one the
+        # gain does not promote when the weight is exactly the gain.
         if type(self).forward is not PromotingHFRMSNorm.forward:
             return False
         if len(args) == 2 and args[1] is not None:
             return True
-        return isinstance(args[0], torch.Tensor) and args[0].dtype in _UNPROMOTED[self._gain_dtype()]
+        x, weight = args[0], self._parameters.get("weight")
+        gain = _gain_dtype(weight, self.gain_dtype)
+        return (isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor) and x.dtype in _UNPROMOTED[gain]
+                and (x.dtype is gain or weight.dtype is gain))
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
         if residual is not None:
             return super().forward(x, residual)
         # The weight as the call sees it (a wrapper may have swapped it) decides the gain's dtype
-        # inside the function, so an FX graph traced here follows later casts too.
+        # inside the function, so an FX graph traced here follows later casts that change the
+        # weight's dtype (not .float() of a narrower gain: the traced gain_dtype is a constant).
         return _promoted_hf_norm(x, self.weight, self.eps, self.gain_dtype)
 
     def _apply(self, fn, recurse=True):
@@ -219,29 +225,12 @@ class PromotingHFRMSNorm(RMSNorm):
         weight = self._parameters.get("weight")
         try:
             gain = fn(torch.empty(0, dtype=self.gain_dtype, device="cpu" if weight is None else weight.device)).dtype
-        except (RuntimeError, TypeError, ValueError):
+        except (RuntimeError, TypeError, ValueError, AssertionError):  # AssertionError: .cuda() without CUDA
             gain = None
         out = super()._apply(fn, recurse)
         if gain in _GAIN_DTYPES:
             self.gain_dtype = gain
         return out
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
-        incoming = state_dict.get(prefix + "weight")
-        errors = len(error_msgs)
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                      error_msgs)
-        if not isinstance(incoming, torch.Tensor) or len(error_msgs) > errors:
-            return
-        if local_metadata.get("assign_to_params_buffers", False):
-            if incoming.dtype in _GAIN_DTYPES:  # the assigned tensor is the gain now, in its dtype
-                self.gain_dtype = incoming.dtype
-            return
-        w = self._parameters.get("weight")
-        if w is not None and w.dtype is torch.float32 and self.gain_dtype in (torch.bfloat16, torch.float16):
-            with torch.no_grad():  # HF's parameter of the gain's dtype would round the copied values
-                w.copy_(w.to(self.gain_dtype))
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, gain_dtype={self.gain_dtype}"
@@ -269,11 +258,15 @@ def _promoted_hf_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gain_dt
         eps: as :func:`dsnorm.rms_norm`.
         gain_dtype: a key of ``_UNPROMOTED``.
     """
+    if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
+        return rms_norm(x, weight, eps, cast="hf")  # which names the argument that is not a tensor
     gain_dtype = _gain_dtype(weight, gain_dtype)
-    if not isinstance(x, torch.Tensor) or x.dtype in _UNPROMOTED[gain_dtype]:
-        return rms_norm(x, weight, eps, cast="hf")  # (a non-tensor x is named there)
+    if x.dtype is not gain_dtype:  # (for x of the gain's dtype cast="hf" rounds the weight to it)
+        weight = weight.to(gain_dtype)  # the gain as HF's parameter holds it
+    if x.dtype in _UNPROMOTED[gain_dtype]:
+        return rms_norm(x, weight, eps, cast="hf")
     unit = torch.ones(weight.shape[-1], dtype=torch.float32, device=weight.device)
-    return weight.to(gain_dtype) * rms_norm(x, unit, eps, cast="hf")
+    return weight * rms_norm(x, unit, eps, cast="hf")
 
 
 # torch.fx.symbolic_trace records it as a node (the dtype test cannot take a Proxy), as module.py
