@@ -361,7 +361,8 @@ def test_promoting_norm_keeps_the_fast_lane_where_nothing_is_promoted(monkeypatc
     with torch.no_grad():
         # fp32 x with a bf16 gain: the gain is the weight rounded to bf16, which the lane does not do.
         for args, dtype, lane in (((x,), torch.bfloat16, True), ((x.float(),), torch.float32, False),
-                                  ((x, None), torch.bfloat16, True), ((x.half(), x.half()), torch.float16, True),
+                                  ((x, None), torch.bfloat16, True), ((x, x), torch.bfloat16, True),
+                                  ((x.half(), x.half()), torch.float16, False),
                                   ((x.half(),), torch.float32, False), ((x.half(), None), torch.float32, False)):
             calls.clear()
             out = norm(*args)
@@ -443,6 +444,14 @@ def test_promoting_norm_loads_state_dicts_and_norms_as_hf_would(tmp_path):
     model["n"].load_state_dict({"weight": fp32_values.clone()})
     assert torch.equal(model["n"].weight, fp32_values)
     same(outputs(hf), outputs(model["n"]), "copied fp32 values")
+    for cast in ("float", "half", "double", "bfloat16"):  # HF casts its rounded values
+        h, m = copy.deepcopy(hf), copy.deepcopy(model["n"])
+        same(outputs(getattr(h, cast)()), outputs(getattr(m, cast)()), f"copied fp32 values, then {cast}()")
+    # The fused form (dsnorm's; HF has none) uses the same gain: the plain form of x + residual.
+    r = torch.zeros(5, 48)
+    for x in xs[2:]:
+        with torch.no_grad():
+            assert torch.equal(model["n"](x, r)[0], model["n"](x))
     before = outputs(model["n"])
     for assign in (False, True):
         model.load_state_dict(copy.deepcopy(model.state_dict()), assign=assign)

@@ -36,7 +36,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from dsnorm.autograd import rms_norm
+from dsnorm.autograd import fused_add_rms_norm, rms_norm
 from dsnorm.module import RMSNorm
 from dsnorm.ops import EPS_MAX, EPS_MIN, _as_float
 from dsnorm.ref import EPS
@@ -198,21 +198,29 @@ class PromotingHFRMSNorm(RMSNorm):
         return _gain_dtype(self._parameters.get("weight"), self.gain_dtype)
 
     def _lane_takes(self, args) -> bool:
-        # The calls forward hands to RMSNorm's computation unchanged (not in a further subclass):
-        # the fused form, and x of the gain's dtype (cast="hf" rounds the weight to it) or one the
-        # gain does not promote when the weight is exactly the gain.
+        # The calls whose result is RMSNorm's with the module's own weight (not in a further
+        # subclass): x of the gain's dtype (cast="hf" rounds the weight to it), or, when the weight
+        # is exactly the gain, x the gain does not promote (always, in the fused form).
         if type(self).forward is not PromotingHFRMSNorm.forward:
             return False
-        if len(args) == 2 and args[1] is not None:
-            return True
         x, weight = args[0], self._parameters.get("weight")
+        if not (isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor)):
+            return False
         gain = _gain_dtype(weight, self.gain_dtype)
-        return (isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor) and x.dtype in _UNPROMOTED[gain]
-                and (x.dtype is gain or weight.dtype is gain))
+        if x.dtype is not gain and weight.dtype is not gain:
+            return False
+        return (len(args) == 2 and args[1] is not None) or x.dtype in _UNPROMOTED[gain]
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
         if residual is not None:
-            return super().forward(x, residual)
+            # HF has no fused form: it is RMSNorm's (cast="hf", no promotion), with the same gain.
+            weight = self.weight
+            if isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor):
+                gain = _gain_dtype(weight, self.gain_dtype)
+                if x.dtype is not gain:
+                    weight = weight.to(gain)
+            return fused_add_rms_norm(x, residual, weight, self.eps, cast=self.cast,
+                                      residual_rounding=self.residual_rounding, residual_dtype=self.residual_dtype)
         # The weight as the call sees it (a wrapper may have swapped it) decides the gain's dtype
         # inside the function, so an FX graph traced here follows later casts that change the
         # weight's dtype (not .float() of a narrower gain: the traced gain_dtype is a constant).
@@ -227,6 +235,10 @@ class PromotingHFRMSNorm(RMSNorm):
             gain = fn(torch.empty(0, dtype=self.gain_dtype, device="cpu" if weight is None else weight.device)).dtype
         except (RuntimeError, TypeError, ValueError, AssertionError):  # AssertionError: .cuda() without CUDA
             gain = None
+        if (gain is not None and gain is not self.gain_dtype and self.gain_dtype in (torch.bfloat16, torch.float16)
+                and isinstance(weight, torch.Tensor) and weight.dtype is torch.float32):
+            with torch.no_grad():  # HF's narrower parameter holds the rounded values it casts from
+                weight.copy_(weight.to(self.gain_dtype))
         out = super()._apply(fn, recurse)
         if gain in _GAIN_DTYPES:
             self.gain_dtype = gain
