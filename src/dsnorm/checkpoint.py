@@ -33,8 +33,8 @@ from dsnorm.sites import (
     REF_SUFFIX,
     ModelConfig,
     enumerate_sites,
+    json_path_refused,
     load_config,
-    output_path_problem,
     read_json_file,
 )
 
@@ -689,6 +689,11 @@ def _read_tensor(info: TensorInfo):
     return t.reshape(info.shape)  # the stored dtype: the caller checks that its cast is exact
 
 
+def _same_values(back, v) -> bool:
+    """Whether ``back`` (``v`` cast to another dtype and back) still holds every value of ``v``, NaN as NaN."""
+    return bool(((back == v) | (back.isnan() & v.isnan())).all())
+
+
 def load_norms(model, path: Union[str, os.PathLike]) -> LoadReport:
     """Copy every norm gain of a safetensors checkpoint into the ``dsnorm.RMSNorm`` modules of ``model``.
 
@@ -775,16 +780,14 @@ def load_norms(model, path: Union[str, os.PathLike]) -> LoadReport:
         cast = v.to(dtype=p.dtype, device=p.device)
         # The parameter must hold the stored value exactly: an F64 gain, or a parameter cast down
         # (model.to(bfloat16)), may not.
-        back = cast.to(device="cpu", dtype=v.dtype)
-        if not bool(((back == v) | (back.isnan() & v.isnan())).all()):
+        if not _same_values(cast.to(device="cpu", dtype=v.dtype), v):
             problems.append(f"{mname}: {info.name} ({info.dtype}) is not exactly representable in the "
                             f"parameter's {p.dtype}")
         # A patched HF norm (patching.PromotingHFRMSNorm) holds a gain of a narrower dtype in its
         # fp32 weight, as the HF parameter it replaced did: the values must fit that dtype too.
         gain = getattr(mod, "gain_dtype", None)
         if p.dtype == torch.float32 and gain in (torch.bfloat16, torch.float16):
-            back = v.to(gain).to(v.dtype)
-            if not bool(((back == v) | (back.isnan() & v.isnan())).all()):
+            if not _same_values(v.to(gain).to(v.dtype), v):
                 problems.append(f"{mname}: {info.name} ({info.dtype}) is not exactly representable in the "
                                 f"patched norm's {gain} gain (the dtype HF's parameter would have)")
         values.append(cast)
@@ -816,9 +819,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run ``dsnorm count``: 0 when the checkpoint matches, 1 on mismatches, 2 on unreadable input
     or an unwritable ``--json`` path (refused before the checkpoint is read)."""
-    problem = output_path_problem(args.json) if args.json and args.json != "-" else None
-    if problem:
-        print(f"dsnorm count: error: --json {args.json}: {problem}", file=sys.stderr)
+    if json_path_refused("count", args.json):
         return 2
     try:
         rep = count_norms(args.path, args.config)

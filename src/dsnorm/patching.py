@@ -216,9 +216,7 @@ class PromotingHFRMSNorm(RMSNorm):
             # HF has no fused form: it is RMSNorm's (cast="hf", no promotion), with the same gain.
             weight = self.weight
             if isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor):
-                gain = _gain_dtype(weight, self.gain_dtype)
-                if x.dtype is not gain:
-                    weight = weight.to(gain)
+                weight, _ = _gain(x, weight, self.gain_dtype)
             return fused_add_rms_norm(x, residual, weight, self.eps, cast=self.cast,
                                       residual_rounding=self.residual_rounding, residual_dtype=self.residual_dtype)
         # The weight as the call sees it (a wrapper may have swapped it) decides the gain's dtype
@@ -260,6 +258,13 @@ def _gain_dtype(weight, gain_dtype: torch.dtype) -> torch.dtype:
     return gain_dtype
 
 
+def _gain(x: torch.Tensor, weight: torch.Tensor, gain_dtype: torch.dtype) -> tuple:
+    """``(gain, its dtype)`` for a call on ``x``: the weight as HF's parameter holds it, rounded to
+    the gain's dtype (for x of that dtype cast="hf" rounds it anyway, so it is passed as it is)."""
+    gain_dtype = _gain_dtype(weight, gain_dtype)
+    return (weight if x.dtype is gain_dtype else weight.to(gain_dtype)), gain_dtype
+
+
 def _promoted_hf_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gain_dtype: torch.dtype) -> torch.Tensor:
     """HF's ``weight * x̂.to(x.dtype)`` with torch's promotion, the gain in the weight's dtype, or in
     ``gain_dtype`` when the weight is fp32 (see PromotingHFRMSNorm).
@@ -272,9 +277,7 @@ def _promoted_hf_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gain_dt
     """
     if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
         return rms_norm(x, weight, eps, cast="hf")  # which names the argument that is not a tensor
-    gain_dtype = _gain_dtype(weight, gain_dtype)
-    if x.dtype is not gain_dtype:  # (for x of the gain's dtype cast="hf" rounds the weight to it)
-        weight = weight.to(gain_dtype)  # the gain as HF's parameter holds it
+    weight, gain_dtype = _gain(x, weight, gain_dtype)
     if x.dtype in _UNPROMOTED[gain_dtype]:
         return rms_norm(x, weight, eps, cast="hf")
     unit = torch.ones(weight.shape[-1], dtype=torch.float32, device=weight.device)

@@ -189,6 +189,15 @@ def output_path_problem(path: str) -> Optional[str]:
     return None if os.access(parent, os.W_OK) else "not writable (its directory)"
 
 
+def json_path_refused(command: str, path: Optional[str]) -> bool:
+    """For ``dsnorm <command> --json PATH`` (``-``: stdout): say on stderr why PATH cannot be
+    written and return True, before the command's work; False when it can, or none was given."""
+    problem = output_path_problem(path) if path and path != "-" else None
+    if problem:
+        print(f"dsnorm {command}: error: --json {path}: {problem}", file=sys.stderr)
+    return problem is not None
+
+
 def read_json_file(path: str, what: str = "JSON file", max_bytes: int = MAX_CONFIG_BYTES) -> Any:
     """Parse a small JSON file, refusing files over ``max_bytes`` (error messages name ``path``)."""
     try:
@@ -688,9 +697,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``dsnorm sites``; returns the exit status (2 on a bad config or site name)."""
-    problem = output_path_problem(args.json) if args.json and args.json != "-" else None
-    if problem:
-        print(f"dsnorm sites: error: --json {args.json}: {problem}", file=sys.stderr)
+    if json_path_refused("sites", args.json):
         return 2
     try:
         cfg = load_config(args.config)
