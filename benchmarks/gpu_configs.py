@@ -2,15 +2,14 @@
 
     python benchmarks/gpu_configs.py [--json FILE]      # on a CUDA machine
 
-About 30 s on an H200 before the plain-backward rows and the pipelined-backward rows were added
-(about 11 and 20 more compiles: an estimated 40-60 s more, not yet measured).
+About 40 s on an H200 (37 s measured with Triton 3.6).
 
 For the DeepSeek shapes (bf16; N in 7168, 1536, 512-of-576; decode M=1 and 64, prefill M=16384)
 it times the forward (fused and plain) with every ``num_warps`` in 1..32 that covers the row, and
 at prefill the backward (fused at every width, plain at 7168) with prefetch off and on, each with
-1-3 software-pipelining stages, then with its programs' thread budget ``BWD_PROGRAM_THREADS`` and
-``num_warps`` varied, by overriding ``launch.config`` / ``launch.backward_config`` /
-``launch.BWD_PROGRAM_THREADS`` / ``launch.BWD_PREFETCH`` / ``launch.BWD_NUM_STAGES`` for the sweep
+1-3 software-pipelining stages, then with its programs' thread budget (``BWD_PROGRAM_THREADS`` /
+``BWD_PROGRAM_THREADS_WIDE``) and ``num_warps`` varied, by overriding ``launch.config`` /
+``launch.backward_config`` / those budgets / ``launch.BWD_PREFETCH`` / ``launch.BWD_NUM_STAGES`` for the sweep
 only (plus the fused forward in fp32 at [16384, 7168]).
 Prefill and backward: median of ``triton.testing.do_bench`` (L2 flushed), GB/s from the byte model
 of benchmarks/gpu.py. Decode: microseconds per call replayed from a CUDA graph of 200 calls, where
@@ -44,6 +43,7 @@ def main(argv=None) -> int:
     from dsnorm.triton import launch
 
     real_config, real_bwd_config, real_threads = launch.config, launch.backward_config, launch.BWD_PROGRAM_THREADS
+    real_wide_threads = launch.BWD_PROGRAM_THREADS_WIDE
     real_prefetch, real_min_block = launch.BWD_PREFETCH, launch.BWD_PREFETCH_MIN_BLOCK
     real_stages = launch.BWD_NUM_STAGES
     rows = []
@@ -62,7 +62,7 @@ def main(argv=None) -> int:
 
     def with_warps(real, warps):
         # ``real``'s (BLOCK_N, num_warps, single_block) with the warps replaced.
-        return lambda n_, dt_: (lambda c: (c[0], warps, c[2]))(real(n_, dt_))
+        return lambda n_, dt_, *kind: (lambda c: (c[0], warps, c[2]))(real(n_, dt_, *kind))
 
     def record(kind, m, n, knob, us, nbytes, picked):
         gbs = nbytes / (us * 1e-6) / 1e9 if nbytes else None
@@ -75,7 +75,6 @@ def main(argv=None) -> int:
     for m, n, parent in shapes:
         x, r, dy, w = inputs(m, n, parent)
         block, picked_warps, single = real_config(n, torch.bfloat16)
-        picked_bwd_warps = real_bwd_config(n, torch.bfloat16)[1]
         for fused in (True, False):
             y = torch.empty(m, n, dtype=x.dtype, device="cuda")
             ro = torch.empty_like(y) if fused else None
@@ -115,12 +114,14 @@ def main(argv=None) -> int:
             def bwd():
                 launch.backward(dy, x, res, w, rstd, None, False, dx, dr, dw)
 
-            picked_prefetch = real_prefetch and real_bwd_config(n, torch.bfloat16)[0] >= real_min_block
-            picked_stages = launch.backward_stages(real_bwd_config(n, torch.bfloat16)[0],
+            bwd_block, bwd_warps, _ = real_bwd_config(n, torch.bfloat16, fused)
+            picked_prefetch = real_prefetch and bwd_block >= real_min_block
+            picked_threads = launch.BWD_PROGRAM_THREADS_WIDE if bwd_block >= launch.BWD_WIDE_BLOCK else real_threads
+            picked_stages = launch.backward_stages(bwd_block,
                                                    [torch.bfloat16] * (3 if fused else 2))
-            variants = [(picked_bwd_warps, stages, prefetch) for stages in (1, 2, 3) for prefetch in (False, True)]
-            if n == 7168:  # 32 warps hold 64 registers a thread: pipelined rows instead of prefetched ones
-                variants += [(2 * picked_bwd_warps, 3, False), (2 * picked_bwd_warps, 3, True)]
+            variants = [(bwd_warps, stages, prefetch) for stages in (1, 2, 3) for prefetch in (False, True)]
+            if n == 7168 and bwd_warps < 32:  # 32 warps hold 64 registers a thread: pipelined rows instead of prefetched ones
+                variants += [(2 * bwd_warps, 3, False), (2 * bwd_warps, 3, True)]
             for warps, stages, prefetch in variants:
                 launch.BWD_PREFETCH, launch.BWD_PREFETCH_MIN_BLOCK = prefetch, 1
                 launch.BWD_NUM_STAGES = stages
@@ -131,19 +132,20 @@ def main(argv=None) -> int:
                     launch.BWD_PREFETCH, launch.BWD_PREFETCH_MIN_BLOCK = real_prefetch, real_min_block
                     launch.BWD_NUM_STAGES, launch.backward_config = real_stages, real_bwd_config
                 record(kind, m, n, f"warps={warps} prefetch={prefetch} stages={stages}", us, nbytes,
-                       warps == picked_bwd_warps and prefetch == picked_prefetch and stages == picked_stages)
+                       warps == bwd_warps and prefetch == picked_prefetch and stages == picked_stages)
             for threads in (1 << 17, 1 << 18, 1 << 19):
-                for warps in (picked_bwd_warps // 2, picked_bwd_warps, picked_bwd_warps * 2):
+                for warps in (bwd_warps // 2, bwd_warps, bwd_warps * 2):
                     if warps > 32 or warps < 1:
                         continue
-                    launch.BWD_PROGRAM_THREADS = threads
+                    launch.BWD_PROGRAM_THREADS = launch.BWD_PROGRAM_THREADS_WIDE = threads
                     launch.backward_config = with_warps(real_bwd_config, warps)
                     try:
                         us = do_bench(bwd, warmup=10, rep=50, return_mode="median") * 1e3
                     finally:
                         launch.backward_config, launch.BWD_PROGRAM_THREADS = real_bwd_config, real_threads
+                        launch.BWD_PROGRAM_THREADS_WIDE = real_wide_threads
                     record(kind, m, n, f"threads=2^{threads.bit_length() - 1} warps={warps}", us, nbytes,
-                           threads == real_threads and warps == picked_bwd_warps)
+                           threads == picked_threads and warps == bwd_warps)
     # fp32 activations at the hidden width: is the bf16-measured forward rule right for 4-byte elements?
     m, n = 16384, 7168
     x, r, _, w = inputs(m, n)

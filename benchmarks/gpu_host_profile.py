@@ -5,9 +5,10 @@
 A decode-sized fused norm ([64, 7168] bf16) is a few microseconds of GPU work, so an eager call's
 time is the host's: the Python layers, the dispatcher and Triton's launcher. This prints, per call,
 the wall time of (a) the Triton launcher alone, (b) dsnorm's public function under no_grad, (c) the
-same forward + backward through autograd, and Liger's fused-add function for (b) and (c) when it is
-importable, each over 300 calls with one synchronize at the end (so the GPU never waits for the
-host's clock); then cProfile's top entries for (c).
+same forward in grad mode alone (what it saves, no backward) and (d) with the backward through
+autograd, and Liger's fused-add function for (b)-(d) when it is importable, each over 300 calls
+with one synchronize at the end (so the GPU never waits for the host's clock); then cProfile's top
+entries for (d), by own time and by cumulative time.
 """
 
 from __future__ import annotations
@@ -40,14 +41,16 @@ def main() -> int:
         with torch.no_grad():
             dsnorm.fused_add_rms_norm(x, r, w)
 
-    def train(fn):
+    def train(fn, backward=True):
         def step():
             xg, rg, wg = x.detach().requires_grad_(), r.detach().requires_grad_(), w.detach().requires_grad_()
             out = fn(xg, rg, wg)
-            torch.autograd.backward(out, (dy, dres))
+            if backward:
+                torch.autograd.backward(out, (dy, dres))
         return step
 
     cases = {"launcher": launcher, "dsnorm no_grad": api,
+             "dsnorm fwd (grad)": train(lambda a, b, c: dsnorm.fused_add_rms_norm(a, b, c), False),
              "dsnorm fwd+bwd": train(lambda a, b, c: dsnorm.fused_add_rms_norm(a, b, c))}
     try:
         from liger_kernel.ops.fused_add_rms_norm import LigerFusedAddRMSNormFunction as Liger
@@ -57,6 +60,7 @@ def main() -> int:
                 Liger.apply(x, r, w, 1e-6, 0.0, "gemma", False)
 
         cases["liger no_grad"] = liger_fwd
+        cases["liger fwd (grad)"] = train(lambda a, b, c: Liger.apply(a, b, c, 1e-6, 0.0, "gemma", False), False)
         cases["liger fwd+bwd"] = train(lambda a, b, c: Liger.apply(a, b, c, 1e-6, 0.0, "gemma", False))
     except ImportError as e:
         print(f"liger not measured: {e}")
@@ -68,14 +72,16 @@ def main() -> int:
         for _ in range(300):
             fn()
         torch.cuda.synchronize()
-        print(f"{name:16s} {(time.perf_counter() - t0) / 300 * 1e6:8.1f} us per call", flush=True)
+        print(f"{name:18s} {(time.perf_counter() - t0) / 300 * 1e6:8.1f} us per call", flush=True)
     profile = cProfile.Profile()
     profile.enable()
     for _ in range(300):
         cases["dsnorm fwd+bwd"]()
     torch.cuda.synchronize()
     profile.disable()
-    pstats.Stats(profile, stream=sys.stdout).sort_stats("tottime").print_stats(22)
+    stats = pstats.Stats(profile, stream=sys.stdout)
+    stats.sort_stats("tottime").print_stats(22)
+    stats.sort_stats("cumulative").print_stats(30)
     return 0
 
 

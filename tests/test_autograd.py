@@ -235,6 +235,66 @@ def test_torch_func_transforms():
     assert torch.equal(jacrev(norm)(x[0, 0]), torch.autograd.functional.jacobian(norm, x[0, 0]))
 
 
+def test_unused_outputs_reach_the_backward_as_nothing(monkeypatch):
+    # Autograd would materialise the gradient of rstd (never differentiable) and of an unused
+    # residual_out (the final norm's) as zero tensors, each filled by a kernel, which the backward
+    # kernels would then read: they arrive as None, and the gradients are unchanged.
+    from dsnorm import ops
+
+    seen = []
+    real_fused, real_plain = ops.fused_add_rms_norm_bwd, ops.rms_norm_bwd
+
+    def fused_spy(dy, x, residual, weight, rstd, dresidual_out, rounding):
+        seen.append(("fused", dresidual_out))
+        return real_fused(dy, x, residual, weight, rstd, dresidual_out, rounding)
+
+    def plain_spy(dy, x, weight, rstd):
+        seen.append(("plain", dy))
+        return real_plain(dy, x, weight, rstd)
+
+    monkeypatch.setattr(ops, "fused_add_rms_norm_bwd", fused_spy)
+    monkeypatch.setattr(ops, "rms_norm_bwd", plain_spy)
+    x, r = _rand((3, 48), seed=46).float(), _rand((3, 48), seed=47).float()
+    w = torch.linspace(0.5, 1.5, 48)
+    xg, rg, wg = x.clone().requires_grad_(), r.clone().requires_grad_(), w.clone().requires_grad_()
+    y, _ = dsnorm.fused_add_rms_norm(xg, rg, wg)
+    gx, gr, gw = torch.autograd.grad(y.pow(2).sum(), (xg, rg, wg))
+    xs, ws = (x + r).double().requires_grad_(), w.double().requires_grad_()
+    want_x, want_w = torch.autograd.grad(rms_norm_ref(xs, ws).pow(2).sum(), (xs, ws))
+    torch.testing.assert_close(gx.double(), want_x, rtol=1e-5, atol=1e-6)
+    assert bits_equal(gx, gr)
+    torch.testing.assert_close(gw.double(), want_w, rtol=1e-5, atol=1e-6)
+    dsnorm.rms_norm(xg, wg).sum().backward()
+    assert seen[0] == ("fused", None) and seen[1][0] == "plain" and seen[1][1] is not None
+
+
+def test_tensor_leaked_from_a_transform_in_grad_mode():
+    # The functions call the autograd Functions' C apply directly (skipping Function.apply's
+    # signature binding) unless a transform is active or an input is a functorch wrapper left over
+    # from a finished one, which Function.apply unwraps: such a tensor gives the plain tensor's
+    # values and gradients.
+    leaked = []
+
+    def keep(t):
+        leaked.append(t)
+        return (t * t).sum()
+
+    plain_x, plain_r = _rand((3, 32), seed=44).float(), _rand((3, 32), seed=45).float()
+    torch.func.grad(keep)(plain_x)
+    x = leaked[0]
+    assert torch._C._functorch.is_functorch_wrapped_tensor(x)
+    results = []
+    for inp in (x, plain_x):
+        w = torch.linspace(0.5, 1.5, 32, requires_grad=True)
+        y, res = dsnorm.fused_add_rms_norm(inp, plain_r, w)
+        (y.sum() + res.sum()).backward()
+        z = dsnorm.rms_norm(inp, w)
+        z.pow(2).sum().backward()
+        results.append((y.detach(), res.detach(), z.detach(), w.grad))
+    for got, want in zip(*results):
+        assert bits_equal(got, want)
+
+
 def test_forward_mode_ad_is_refused_by_name_not_dropped():
     # dsnorm has no jvp formula: a dual input used to lose its tangent silently (the lane and the
     # ops ignore it). It is refused by name; inside a dual level, plain inputs still work.

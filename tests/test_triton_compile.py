@@ -68,7 +68,7 @@ SCRIPT = textwrap.dedent(
         bf16 = torch.bfloat16 in (dtype, rdtype)
         check(compile_launch(kernels.rms_norm_fwd_kernel, args, meta), f"fwd {r}x{n} {dtype} {rdtype}", True, fp, bf16)
         dres = None if rdtype is None else rows(r, n, rdtype, stride)
-        partials = launch.backward_partials(x)
+        partials = launch.backward_partials(x, fused=res is not None)
         _, args, meta = launch.backward_params(rows(r, n, dtype, stride), x, res, w, torch.ones(r, dtype=w.dtype), dres, rf,
                                                rows(r, n, dtype, stride), dres, partials)
         check(compile_launch(kernels.rms_norm_bwd_kernel, args, meta), f"bwd {r}x{n} {dtype} {rdtype}", False, fp, bf16)
@@ -81,7 +81,7 @@ SCRIPT = textwrap.dedent(
         launch.BWD_NUM_STAGES = stages
         x = rows(4, 7168, torch.bfloat16)
         _, args, meta = launch.backward_params(rows(4, 7168, torch.bfloat16), x, None, w, torch.ones(4), None, False,
-                                               rows(4, 7168, torch.bfloat16), None, launch.backward_partials(x))
+                                               rows(4, 7168, torch.bfloat16), None, launch.backward_partials(x, fused=False))
         assert meta["NUM_STAGES"] == stages
         k = compile_launch(kernels.rms_norm_bwd_kernel, args, meta)
         assert ("cp.async" in k.asm["ptx"]) == (stages > 1), stages
@@ -99,7 +99,7 @@ SCRIPT = textwrap.dedent(
         res = None if rd is None else rows(4, n, rd)
         _, args, meta = launch.backward_params(rows(4, n, xd), x, res, w, torch.ones(4, dtype=w.dtype),
                                                None if drod is None else rows(4, n, drod), False, rows(4, n, xd),
-                                               None if rd is None else rows(4, n, rd), launch.backward_partials(x))
+                                               None if rd is None else rows(4, n, rd), launch.backward_partials(x, rd is not None))
         assert meta["NUM_STAGES"] == stages, (n, xd, rd, drod, meta["NUM_STAGES"])
         k = compile_launch(kernels.rms_norm_bwd_kernel, args, meta)
         assert k.metadata.shared <= 99 * 1024, (n, xd, rd, drod, stages, k.metadata.shared)

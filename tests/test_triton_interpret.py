@@ -504,6 +504,34 @@ def test_backward_rows_per_program(small_blocks, monkeypatch, prefetch, stages):
     _check_backward(x, r, w, rstd, None, False, x.float() + r.float(), gen)
 
 
+def test_launch_heuristics_and_their_plans(monkeypatch):
+    # The backward's warps: one 16-byte vector a thread, up to 16 warps fused and 32 plain (measured
+    # on an H200 at [16384, 7168] bf16); wide rows get half the programs. The plans that cache these
+    # per shape are keyed on the module's settings too: a changed setting is never served a stale one.
+    bf = torch.bfloat16
+    assert [launch.backward_config(n, bf, fused)[1] for n in (7168, 1536, 512) for fused in (True, False)] == [
+        16, 32, 8, 8, 2, 2]
+    assert launch.backward_config(7168, torch.float32, False)[1] == 32
+    assert launch.backward_rows_per_program(16384, 7168, bf, True) == 16384 // (launch.BWD_PROGRAM_THREADS_WIDE // 512)
+    assert launch.backward_rows_per_program(16384, 7168, bf, False) == 16384 // (launch.BWD_PROGRAM_THREADS_WIDE // 1024)
+    assert launch.backward_rows_per_program(16384, 1536, bf, True) == 16384 // (launch.BWD_PROGRAM_THREADS // 256)
+    x = torch.empty(64, 7168, dtype=bf)
+    w, rstd = torch.empty(7168), torch.empty(64)
+    fwd = lambda: launch.forward_params(x, x, w, 1e-6, False, False, x, x, rstd)  # noqa: E731
+    assert fwd()[2] is fwd()[2] and fwd()[2]["num_warps"] == 8
+    plain = lambda: launch.backward_params(x, x, None, w, rstd, None, False, x, None,  # noqa: E731
+                                           launch.backward_partials(x, fused=False))[2]
+    assert plain()["num_warps"] == 32 and plain()["NUM_STAGES"] == launch.BWD_NUM_STAGES == 1
+    monkeypatch.setattr(launch, "BWD_NUM_STAGES", 3)
+    monkeypatch.setattr(launch, "MAX_WARPS_PLAIN_BWD", 16)
+    assert plain()["NUM_STAGES"] == 3 and plain()["num_warps"] == 16
+    monkeypatch.setattr(launch, "MAX_WARPS", 4)
+    assert fwd()[2]["num_warps"] == 4
+    with pytest.raises(AssertionError):  # partials sized for the fused backward's programs
+        launch.backward_params(x, x, None, w, rstd, None, False, x, None,
+                               torch.empty(launch.backward_partials(x, fused=True).shape[0] + 1, 7168))
+
+
 def test_backward_stages_fit_shared_memory(monkeypatch):
     # Stages asked for are cut until (stages - 1) rows of every input the loop loads fit in
     # BWD_STAGES_SMEM (96 KiB), less a compute-dtype row when the dtypes differ (Triton's layout
@@ -529,7 +557,7 @@ def test_backward_stages_fit_shared_memory(monkeypatch):
     assert meta["NUM_STAGES"] == 1
     monkeypatch.setattr(launch, "MAX_BLOCK_N", 1024)
     meta = launch.backward_params(xb, xb, None, torch.empty(7168), torch.empty(2), None, False, xb, None,
-                                  launch.backward_partials(xb))[2]
+                                  launch.backward_partials(xb, fused=False))[2]
     assert not meta["SINGLE_BLOCK"] and meta["NUM_STAGES"] == 1
     monkeypatch.setattr(launch, "BWD_NUM_STAGES", 1)
     assert launch.backward_stages(512, [bf, bf]) == 1

@@ -68,16 +68,23 @@ def _first_order_only(what: str, grads: tuple, depends_on: tuple) -> tuple:
 # (``register_autograd``, for torch.jit.trace); ``what`` names the route in the second-derivative error.
 
 
+# Both setups turn off the materialisation of undefined output gradients: autograd would otherwise
+# hand the backward a zero tensor, filled by a kernel of its own, for rstd (never differentiable)
+# on every call, and for residual_out wherever the new residual stream is not used (the final
+# norm's); the kernels then also read those zeros back (one [rows, n] stream more).
+
+
 def _plain_setup(ctx, inputs, output):
     x, weight, _, _ = inputs
     ctx.save_for_backward(x, weight, output[1])
     ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)
 
 
 def _plain_backward(what, ctx, dy_in):
     x, weight, rstd = ctx.saved_tensors
     with torch.no_grad():
-        dy = dy_in.contiguous()
+        dy = torch.zeros_like(x) if dy_in is None else dy_in.contiguous()
         dx, dweight = (ops.rms_norm_bwd if _direct(dy, x, weight, rstd) else _bwd)(dy, x, weight, rstd)
     return (*_first_order_only(what, (dx, dweight), (dy_in, x, weight)), None, None)
 
@@ -86,6 +93,7 @@ def _fused_setup(ctx, inputs, output):
     x, residual, weight, _, _, residual_rounding, _ = inputs
     ctx.save_for_backward(x, residual, weight, output[2])
     ctx.mark_non_differentiable(output[2])
+    ctx.set_materialize_grads(False)
     ctx.residual_rounding = residual_rounding
 
 
@@ -173,6 +181,28 @@ def _direct(*tensors) -> bool:
     return True
 
 
+# Function.apply (torch <= 2.14) binds its arguments to forward's signature with inspect whenever
+# setup_context is defined, only to fill in defaults: ~11 us a call on the CI machine, ~5x that on
+# the H200 machine's host, the largest single host cost of a training step's norm. These forwards
+# have no defaults and are called positionally, so outside functorch transforms, with no tensor
+# left over from one (apply unwraps those), the C apply it ends in is the same call (torch 2.15's
+# Function.apply is that C apply itself).
+_c_apply = torch._C._FunctionBase.__dict__["apply"]
+_transforms_active = torch._C._are_functorch_transforms_active
+_is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+
+
+def _apply(function, *args):
+    """``function.apply(*args)`` (positional arguments only) without the signature binding (dynamo
+    traces only ``apply`` itself: it is what compiled code calls)."""
+    if ops._is_compiling() or _transforms_active():
+        return function.apply(*args)
+    for a in args:
+        if isinstance(a, torch.Tensor) and _is_wrapped(a):
+            return function.apply(*args)
+    return _c_apply.__get__(None, function)(*args)
+
+
 def _needs_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
@@ -246,7 +276,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = EPS, *, cast: s
         if _direct(x, w):
             return ops.rms_norm(x, w, eps, cast)
         return _infer(x, w, eps, cast)
-    y = RMSNormFunction.apply(_flat(_savable(x), "x"), w, eps, cast)[0]
+    y = _apply(RMSNormFunction, _flat(_savable(x), "x"), w, eps, cast)[0]
     return y if y.shape == x.shape else y.view(x.shape)
 
 
@@ -297,8 +327,8 @@ def fused_add_rms_norm(
         return _fused_infer(x, residual, w, eps, cast, residual_rounding, residual_dtype)
     x_rows = _flat(_savable(x), "x")  # x first: the residual's checks are stated in terms of x
     ops.check_residual(residual, x, residual_dtype)
-    y, residual_out, _ = FusedAddRMSNormFunction.apply(
-        x_rows, _flat(_savable(residual), "residual"), w, eps, cast, residual_rounding, residual_dtype,
+    y, residual_out, _ = _apply(
+        FusedAddRMSNormFunction, x_rows, _flat(_savable(residual), "residual"), w, eps, cast, residual_rounding, residual_dtype,
     )
     if y.shape == x.shape:
         return y, residual_out

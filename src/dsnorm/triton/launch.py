@@ -16,13 +16,18 @@ Launch heuristics (no autotuning: the first call must not sweep configs):
   (decode latency under a CUDA graph), for all three widths; the earlier one-16-byte-vector-per-
   thread rule (16 warps at 7168) was 14% slower for the fused [16384, 7168] forward.
 * ``num_warps`` (backward): one 16-byte vector per thread per block (8 bf16/fp16, 4 fp32, 2 fp64
-  elements), clamped to 1..16 warps: 7168 -> 16, 1536 -> 8, 512 -> 2 (bf16). The backward keeps
-  about five row vectors live, so it holds fewer elements per thread than the forward.
+  elements), clamped to 1..16 warps for the fused backward and 1..32 for the plain one, which keeps
+  fewer row vectors live (x and dy against x, residual and dy): bf16 7168 -> 16 fused, 32 plain;
+  1536 -> 8; 512 -> 2. The backward holds fewer elements per thread than the forward.
 * Rows per program: forward 1 (each program has a single row's worth of loads in flight; many
   small resident programs hide latency better than a loop that serialises rows), more only past
   ``FWD_MAX_PROGRAMS`` rows. Backward: a row block per program so that the dweight partials stay
-  small, sized from the row count and ``n`` only (never the GPU's SM count), so dweight has the same
-  bits on any GPU: about ``BWD_PROGRAM_THREADS / threads-per-program`` programs.
+  small, sized from the row count, ``n``, the dtype and the kind (plain or fused) only (never the
+  GPU's SM count), so dweight has the same bits on any GPU: about ``BWD_PROGRAM_THREADS /
+  threads-per-program`` programs (``BWD_PROGRAM_THREADS_WIDE`` for blocks of at least
+  ``BWD_WIDE_BLOCK`` columns).
+* The launch parameters that depend on the shape, dtypes and flags only are computed once per such
+  key (``_plans``): at decode sizes the launch's Python is a visible share of an eager call.
 * Backward row loop: the next row prefetched into registers (``BWD_PREFETCH``: 16-bit rows whose
   block is at least ``BWD_PREFETCH_MIN_BLOCK``, i.e. n > 2048); Triton's software pipelining
   (``BWD_NUM_STAGES``) is there but off until measured (see below).
@@ -47,11 +52,21 @@ from dsnorm.triton import kernels
 MAX_BLOCK_N = 8192
 MAX_BLOCK_N_FP64 = 4096
 MAX_WARPS = 16
+# The plain backward (x and dy rows, no residual) may use twice the warps: at bf16 [16384, 7168] on
+# an H200 32 warps took 199-206 us against 215 us at 16 (benchmarks/gpu_configs.py); the fused
+# backward at 32 warps took 346-443 us against 308-318 us at 16.
+MAX_WARPS_PLAIN_BWD = 32
 # Rows beyond this count share programs in the forward (the grid itself is cheap up to here).
 FWD_MAX_PROGRAMS = 65536
 # The backward's total threads across programs (~ what an H100/H200 keeps resident, 132 SMs x 2048):
 # enough programs to fill the GPU, few enough that the [programs, n] partials stay a few MB.
 BWD_PROGRAM_THREADS = 1 << 18
+# Wide rows (a block of at least BWD_WIDE_BLOCK columns: 16-32 warps and prefetched rows, one
+# program an SM) get half the programs, each with twice the rows: on an H200 at bf16 [16384, 7168]
+# the plain backward took 199 us against 206 us with 2^18 threads, the fused 308 against 318 us.
+# (Narrower rows were within the sweep's noise either way, so they keep 2^18.)
+BWD_PROGRAM_THREADS_WIDE = 1 << 17
+BWD_WIDE_BLOCK = 4096
 # The backward's single-block loop loads row i+1 while it reduces row i (the kernel's PREFETCH), for
 # blocks of at least BWD_PREFETCH_MIN_BLOCK columns: there a 16-warp program has its SM to itself and
 # nothing else hides its load latency. Measured on an H200, fused bf16 [16384, n]: n=7168 318 us
@@ -105,18 +120,20 @@ def config(n: int, dtype: torch.dtype) -> tuple[int, int, bool]:
     return block, max(1, min(MAX_WARPS, warps)), n <= block
 
 
-def backward_config(n: int, dtype: torch.dtype) -> tuple[int, int, bool]:
-    """Backward: ``(BLOCK_N, num_warps, single_block)``, one 16-byte vector per thread per block."""
+def backward_config(n: int, dtype: torch.dtype, fused: bool = True) -> tuple[int, int, bool]:
+    """Backward: ``(BLOCK_N, num_warps, single_block)``, one 16-byte vector per thread per block;
+    ``fused``: the backward has a residual (it keeps more row vectors live, so fewer warps)."""
     block = _block(n, dtype)
     per_thread = max(1, 16 // dtype.itemsize)
-    warps = max(1, min(MAX_WARPS, block // per_thread // 32))
+    warps = max(1, min(MAX_WARPS if fused else MAX_WARPS_PLAIN_BWD, block // per_thread // 32))
     return block, warps, n <= block
 
 
-def backward_rows_per_program(rows: int, n: int, dtype: torch.dtype) -> int:
-    """The dweight row block: a function of the shape and dtype only."""
-    _, warps, _ = backward_config(n, dtype)
-    programs = max(1, BWD_PROGRAM_THREADS // (32 * warps))
+def backward_rows_per_program(rows: int, n: int, dtype: torch.dtype, fused: bool = True) -> int:
+    """The dweight row block: a function of the shape, dtype and kind only."""
+    block, warps, _ = backward_config(n, dtype, fused)
+    threads = BWD_PROGRAM_THREADS_WIDE if block >= BWD_WIDE_BLOCK else BWD_PROGRAM_THREADS
+    programs = max(1, threads // (32 * warps))
     return max(1, -(-rows // programs))
 
 
@@ -139,32 +156,63 @@ def _stride(t):
     return 0 if t is None else t.stride(0)
 
 
-def forward_params(x, residual, weight, eps, cast_hf, round_first, y, residual_out, rstd):
-    """``(grid, args, meta)`` of the forward launch (also what the ahead-of-time compile test
-    compiles); None-tensors are replaced by valid unused pointers, their strides by 0."""
-    rows, n = x.shape
-    # Unit stride along the row (a width-1 row has no stride to speak of: only column 0 is read).
-    assert n == 1 or (x.stride(1) == 1 and y.stride(1) == 1)
-    assert weight.is_contiguous() and (residual_out is None or residual is not None)
-    block, warps, single = config(n, x.dtype)
+# Launch parameters that depend on the shape, dtypes and flags only, per such key. The key also
+# holds the module's tunables (the sweep in benchmarks/gpu_configs.py and the tests set them), so
+# a changed setting is never served a stale plan. Bounded: a training run with varying row counts
+# adds a key per count.
+_plans: dict = {}
+_PLANS_MAX = 4096
+
+
+def _settings() -> tuple:
+    return (MAX_BLOCK_N, MAX_BLOCK_N_FP64, MAX_WARPS, MAX_WARPS_PLAIN_BWD, FWD_MAX_PROGRAMS,
+            BWD_PROGRAM_THREADS, BWD_PROGRAM_THREADS_WIDE, BWD_WIDE_BLOCK, BWD_PREFETCH,
+            BWD_PREFETCH_MIN_BLOCK, BWD_NUM_STAGES, BWD_STAGES_SMEM, config, backward_config)
+
+
+def _remember(key, plan):
+    if len(_plans) >= _PLANS_MAX:
+        _plans.clear()
+    _plans[key] = plan
+    return plan
+
+
+def _forward_plan(rows, n, dtype, has_residual, has_residual_out, round_first, cast_hf, store_rstd):
+    key = ("fwd", rows, n, dtype, has_residual, has_residual_out, round_first, cast_hf, store_rstd, _settings())
+    plan = _plans.get(key)
+    if plan is not None:
+        return plan
+    block, warps, single = config(n, dtype)
     rows_per_prog = -(-rows // FWD_MAX_PROGRAMS)
-    grid = (-(-rows // rows_per_prog),)
-    args = (
-        x, _ptr(residual, x), weight, y, _ptr(residual_out, y), _ptr(rstd, weight),
-        x.stride(0), _stride(residual), y.stride(0), _stride(residual_out),
-        rows, n, float(eps),
-    )
     meta = dict(
         ROWS_PER_PROG=rows_per_prog,
         BLOCK_N=block,
         SINGLE_BLOCK=single,
-        HAS_RESIDUAL=residual is not None,
-        HAS_RESIDUAL_OUT=residual_out is not None,
-        ROUND_FIRST=bool(round_first) and residual is not None,
-        CAST_HF=bool(cast_hf),
-        STORE_RSTD=rstd is not None,
-        CD=_compute_dtype(x.dtype),
+        HAS_RESIDUAL=has_residual,
+        HAS_RESIDUAL_OUT=has_residual_out,
+        ROUND_FIRST=round_first and has_residual,
+        CAST_HF=cast_hf,
+        STORE_RSTD=store_rstd,
+        CD=_compute_dtype(dtype),
         num_warps=warps,
+    )
+    return _remember(key, ((-(-rows // rows_per_prog),), meta))
+
+
+def forward_params(x, residual, weight, eps, cast_hf, round_first, y, residual_out, rstd):
+    """``(grid, args, meta)`` of the forward launch (also what the ahead-of-time compile test
+    compiles); None-tensors are replaced by valid unused pointers, their strides by 0. ``meta`` is
+    shared between launches of one key: read it, do not change it."""
+    rows, n = x.shape
+    # Unit stride along the row (a width-1 row has no stride to speak of: only column 0 is read).
+    assert n == 1 or (x.stride(1) == 1 and y.stride(1) == 1)
+    assert weight.is_contiguous() and (residual_out is None or residual is not None)
+    grid, meta = _forward_plan(rows, n, x.dtype, residual is not None, residual_out is not None,
+                               bool(round_first), bool(cast_hf), rstd is not None)
+    args = (
+        x, _ptr(residual, x), weight, y, _ptr(residual_out, y), _ptr(rstd, weight),
+        x.stride(0), _stride(residual), y.stride(0), _stride(residual_out),
+        rows, n, float(eps),
     )
     return grid, args, meta
 
@@ -175,8 +223,9 @@ def _rows(t):
 
 
 def empty_output(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A fresh contiguous output of ``like``'s shape on its device."""
-    return torch.empty(like.shape, dtype=dtype, device=like.device)
+    """A fresh contiguous output of ``like``'s shape on its device. (``empty_like`` takes half the
+    host time of ``torch.empty`` with a device argument: this runs for every output of every call.)"""
+    return torch.empty_like(like, dtype=dtype, memory_format=torch.contiguous_format)
 
 
 def forward(x, residual, weight, eps, cast_hf, round_first, y, residual_out, rstd) -> None:
@@ -203,43 +252,61 @@ def forward_2d(x, residual, weight, eps, cast_hf, round_first, y, residual_out, 
         kernels.rms_norm_fwd_kernel[grid](*args, **meta)
 
 
+def _backward_plan(rows, n, dtype, dy_dtype, residual_dtype, dro_dtype, round_first):
+    """``(programs, meta, partials dtype, partials zeroed)`` for the backward of this key."""
+    key = ("bwd", rows, n, dtype, dy_dtype, residual_dtype, dro_dtype, round_first, _settings())
+    plan = _plans.get(key)
+    if plan is not None:
+        return plan
+    fused = residual_dtype is not None
+    block, warps, single = backward_config(n, dtype, fused)
+    rows_per_prog = backward_rows_per_program(rows, n, dtype, fused)
+    loaded = [d for d in (dtype, dy_dtype, residual_dtype, dro_dtype) if d is not None]
+    meta = dict(
+        ROWS_PER_PROG=rows_per_prog,
+        BLOCK_N=block,
+        SINGLE_BLOCK=single,
+        HAS_RESIDUAL=fused,
+        HAS_DRO=dro_dtype is not None,
+        ROUND_FIRST=round_first and fused,
+        PREFETCH=BWD_PREFETCH and single and block >= BWD_PREFETCH_MIN_BLOCK and dtype.itemsize == 2,
+        NUM_STAGES=backward_stages(block, loaded) if single else 1,
+        CD=_compute_dtype(dtype),
+        num_warps=warps,
+    )
+    cdtype = torch.float64 if dtype == torch.float64 else torch.float32
+    return _remember(key, (-(-rows // rows_per_prog), meta, cdtype, not single))
+
+
+def _dtype(t):
+    return None if t is None else t.dtype
+
+
 def backward_params(dy, x, residual, weight, rstd, dresidual_out, round_first, dx, dresidual, partials):
     """``(grid, args, meta)`` of the backward launch; ``partials`` is the [programs, n] scratch
-    (see ``backward_partials``)."""
+    (see ``backward_partials``). ``meta`` is shared between launches of one key: read it only."""
     rows, n = x.shape
     assert (residual is None) == (dresidual is None)
     assert dresidual_out is None or residual is not None
-    block, warps, single = backward_config(n, x.dtype)
-    rows_per_prog = backward_rows_per_program(rows, n, x.dtype)
-    assert partials.shape == (-(-rows // rows_per_prog), n) and partials.is_contiguous()
+    programs, meta, _, _ = _backward_plan(rows, n, x.dtype, dy.dtype, _dtype(residual), _dtype(dresidual_out),
+                                          bool(round_first))
+    assert partials.shape == (programs, n) and partials.is_contiguous()
     args = (
         dy, x, _ptr(residual, x), weight, rstd, _ptr(dresidual_out, dy), dx, _ptr(dresidual, dx), partials,
         dy.stride(0), x.stride(0), _stride(residual), _stride(dresidual_out), dx.stride(0), _stride(dresidual),
         rows, n,
     )
-    meta = dict(
-        ROWS_PER_PROG=rows_per_prog,
-        BLOCK_N=block,
-        SINGLE_BLOCK=single,
-        HAS_RESIDUAL=residual is not None,
-        HAS_DRO=dresidual_out is not None,
-        ROUND_FIRST=bool(round_first) and residual is not None,
-        PREFETCH=BWD_PREFETCH and single and block >= BWD_PREFETCH_MIN_BLOCK and x.element_size() == 2,
-        NUM_STAGES=backward_stages(block, [t.dtype for t in (x, dy, residual, dresidual_out) if t is not None])
-        if single else 1,
-        CD=_compute_dtype(x.dtype),
-        num_warps=warps,
-    )
-    return (partials.shape[0],), args, meta
+    return (programs,), args, meta
 
 
-def backward_partials(x) -> torch.Tensor:
-    """The dweight partials buffer, [programs, n] in the compute dtype. The multi-block path
-    accumulates into its row, so it is zeroed there."""
+def backward_partials(x, fused: bool = True) -> torch.Tensor:
+    """The dweight partials buffer, [programs, n] in the compute dtype, for the backward of ``x``'s
+    rows (``fused``: with a residual). The multi-block path accumulates into its row, so it is
+    zeroed there."""
     rows, n = x.shape
-    programs = -(-rows // backward_rows_per_program(rows, n, x.dtype))
+    programs = -(-rows // backward_rows_per_program(rows, n, x.dtype, fused))
     cdtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    alloc = torch.empty if backward_config(n, x.dtype)[2] else torch.zeros
+    alloc = torch.empty if backward_config(n, x.dtype, fused)[2] else torch.zeros
     return alloc((programs, n), dtype=cdtype, device=x.device)
 
 
@@ -262,7 +329,9 @@ def backward_2d(dy, x, residual, weight, rstd, dresidual_out, round_first, dx, d
     if rows == 0:
         dweight.zero_()
         return
-    partials = backward_partials(x)
+    programs, _, cdtype, zeroed = _backward_plan(rows, n, x.dtype, dy.dtype, _dtype(residual),
+                                                 _dtype(dresidual_out), bool(round_first))
+    partials = (torch.zeros if zeroed else torch.empty)((programs, n), dtype=cdtype, device=x.device)
     grid, args, meta = backward_params(dy, x, residual, weight, rstd, dresidual_out, round_first, dx, dresidual,
                                        partials)
     with on_device(x):
