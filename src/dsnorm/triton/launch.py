@@ -79,9 +79,10 @@ BWD_PREFETCH_MIN_BLOCK = 4096
 # Compiled for sm_90 with Triton 3.6 and 3.9, 2-4 stages issue the next rows' x / residual / dy as
 # cp.async copies into shared memory (16 KB a stage a tensor at 7168 bf16). Without PREFETCH
 # nothing spills; with it, Triton 3.6 spills 8-24 bytes a thread in the fused bf16 [*, 7168] case
-# (3.9 does not). Not yet measured on a GPU, so off: benchmarks/gpu_configs.py times 1-3 stages
-# against and with PREFETCH at the DeepSeek widths, the data to decide from. The plain backward at
-# [16384, 7168] (two input streams, one 16-warp program an SM) is the case it is meant for.
+# (3.9 does not). Measured on an H200 with Triton 3.6 (benchmarks/gpu_configs.py, two sessions),
+# bf16 [16384, n], so off: at 7168 the best pipelined variant was within 3% of the default (plain
+# 192 against 198 us, fused 312 against 308), and at 1536 and 512 the same configurations moved by
+# up to 2x between the sessions (512, 3 stages: 140 us, then 41 us), with no consistent winner.
 BWD_NUM_STAGES = 1
 # Shared memory the pipelined rows may take, (stages - 1) x one row of every input the loop loads,
 # less a compute-dtype row when the inputs' dtypes differ (Triton then also converts layouts through
