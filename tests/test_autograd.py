@@ -235,6 +235,23 @@ def test_torch_func_transforms():
     assert torch.equal(jacrev(norm)(x[0, 0]), torch.autograd.functional.jacobian(norm, x[0, 0]))
 
 
+def test_vjp_function_called_after_the_transform():
+    # torch.func.vjp's function is called after vjp returned: the Functions' saved inputs are then
+    # functorch wrappers of a finished transform (no storage), which take the op, not the kernels.
+    x, r = _rand((3, 16), seed=48).float(), _rand((3, 16), seed=49).float()
+    w = torch.linspace(0.5, 1.5, 16)
+    g = torch.ones(3, 16)
+    _, plain_vjp = torch.func.vjp(lambda a, b: dsnorm.rms_norm(a, b), x, w)
+    _, fused_vjp = torch.func.vjp(lambda a, b, c: dsnorm.fused_add_rms_norm(a, b, c), x, r, w)
+    got_plain, got_fused = plain_vjp(g), fused_vjp((g, g))
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    want_plain = torch.autograd.grad(dsnorm.rms_norm(xg, wg), (xg, wg), g)
+    xg, rg, wg = x.clone().requires_grad_(), r.clone().requires_grad_(), w.clone().requires_grad_()
+    want_fused = torch.autograd.grad(dsnorm.fused_add_rms_norm(xg, rg, wg), (xg, rg, wg), (g, g))
+    for got, want in zip((*got_plain, *got_fused), (*want_plain, *want_fused)):
+        assert bits_equal(got, want)
+
+
 def test_unused_outputs_reach_the_backward_as_nothing(monkeypatch):
     # Autograd would materialise the gradient of rstd (never differentiable) and of an unused
     # residual_out (the final norm's) as zero tensors, each filled by a kernel, which the backward

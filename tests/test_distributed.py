@@ -220,6 +220,20 @@ def training_fused(mesh):
             _bitwise(dx.grad.full_tensor(), xr.grad, f"dx {opts} {pl}")
             _bitwise(dr.grad.full_tensor(), rr.grad, f"dresidual {opts} {pl}")
             _rel_close(dw.grad.full_tensor(), wr.grad, f"dweight {opts} {pl}")
+    # Only y used (the final norm's new residual stream is dropped): no gradient reaches
+    # residual_out. Autograd used to fill one in as a plain zero tensor, which a DTensor backward
+    # refused ("mixed torch.Tensor and DTensor").
+    r = _randn(shape, torch.bfloat16, 14)
+    xr, rr, wr = x.clone().requires_grad_(), r.clone().requires_grad_(), w.clone().requires_grad_()
+    dsnorm.fused_add_rms_norm(xr, rr, wr)[0].backward(gy)
+    for pl in _row_placements(3):
+        dx = distribute_tensor(x, mesh, [pl]).requires_grad_()
+        dr = distribute_tensor(r, mesh, [pl]).requires_grad_()
+        dw = distribute_tensor(w, mesh, [Replicate()]).requires_grad_()
+        dsnorm.fused_add_rms_norm(dx, dr, dw)[0].backward(distribute_tensor(gy, mesh, [pl]))
+        _bitwise(dx.grad.full_tensor(), xr.grad, f"dx, y only, {pl}")
+        _bitwise(dr.grad.full_tensor(), rr.grad, f"dresidual, y only, {pl}")
+        _rel_close(dw.grad.full_tensor(), wr.grad, f"dweight, y only, {pl}")
 
 
 @check

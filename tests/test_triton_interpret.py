@@ -511,7 +511,9 @@ def test_launch_heuristics_and_their_plans(monkeypatch):
     bf = torch.bfloat16
     assert [launch.backward_config(n, bf, fused)[1] for n in (7168, 1536, 512) for fused in (True, False)] == [
         16, 32, 8, 8, 2, 2]
-    assert launch.backward_config(7168, torch.float32, False)[1] == 32
+    assert launch.backward_config(7168, torch.float32, False)[1] == 16  # 16-bit rows only (measured)
+    assert launch.backward_rows_per_program(16384, 7168, torch.float32, True) == 16384 // (
+        launch.BWD_PROGRAM_THREADS // 512)
     assert launch.backward_rows_per_program(16384, 7168, bf, True) == 16384 // (launch.BWD_PROGRAM_THREADS_WIDE // 512)
     assert launch.backward_rows_per_program(16384, 7168, bf, False) == 16384 // (launch.BWD_PROGRAM_THREADS_WIDE // 1024)
     assert launch.backward_rows_per_program(16384, 1536, bf, True) == 16384 // (launch.BWD_PROGRAM_THREADS // 256)

@@ -174,19 +174,22 @@ def _direct(*tensors) -> bool:
         return False
     for t in tensors:
         # Meta tensors (and other devices) take the op: its fake implementation shapes them. So
-        # do a lazily negated view (x.conj().imag) and a ZeroTensor (no memory): the dispatcher
-        # resolves them, the kernels read raw memory.
-        if type(t) not in _PLAIN_TYPES or not (t.is_cpu or t.is_cuda) or t.is_neg() or t._is_zerotensor():
+        # do a lazily negated view (x.conj().imag), a ZeroTensor (no memory) and a functorch
+        # wrapper left over from a finished transform (torch.func.vjp's saved inputs, when its
+        # vjp function is called afterwards: no storage): the dispatcher resolves them, the
+        # kernels read raw memory.
+        if (type(t) not in _PLAIN_TYPES or not (t.is_cpu or t.is_cuda) or t.is_neg() or t._is_zerotensor()
+                or _is_wrapped(t)):
             return False
     return True
 
 
-# Function.apply (torch <= 2.14) binds its arguments to forward's signature with inspect whenever
+# Function.apply (torch <= 2.13) binds its arguments to forward's signature with inspect whenever
 # setup_context is defined, only to fill in defaults: ~11 us a call on the CI machine, ~5x that on
 # the H200 machine's host, the largest single host cost of a training step's norm. These forwards
 # have no defaults and are called positionally, so outside functorch transforms, with no tensor
-# left over from one (apply unwraps those), the C apply it ends in is the same call (torch 2.15's
-# Function.apply is that C apply itself).
+# left over from one (apply unwraps those), the C apply it ends in is the same call (from torch
+# 2.14 Function.apply is that C apply itself).
 _c_apply = torch._C._FunctionBase.__dict__["apply"]
 _transforms_active = torch._C._are_functorch_transforms_active
 _is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor

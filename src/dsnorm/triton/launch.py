@@ -16,7 +16,7 @@ Launch heuristics (no autotuning: the first call must not sweep configs):
   (decode latency under a CUDA graph), for all three widths; the earlier one-16-byte-vector-per-
   thread rule (16 warps at 7168) was 14% slower for the fused [16384, 7168] forward.
 * ``num_warps`` (backward): one 16-byte vector per thread per block (8 bf16/fp16, 4 fp32, 2 fp64
-  elements), clamped to 1..16 warps for the fused backward and 1..32 for the plain one, which keeps
+  elements), clamped to 1..16 warps, or 1..32 for the plain backward of 16-bit rows, which keeps
   fewer row vectors live (x and dy against x, residual and dy): bf16 7168 -> 16 fused, 32 plain;
   1536 -> 8; 512 -> 2. The backward holds fewer elements per thread than the forward.
 * Rows per program: forward 1 (each program has a single row's worth of loads in flight; many
@@ -24,8 +24,8 @@ Launch heuristics (no autotuning: the first call must not sweep configs):
   ``FWD_MAX_PROGRAMS`` rows. Backward: a row block per program so that the dweight partials stay
   small, sized from the row count, ``n``, the dtype and the kind (plain or fused) only (never the
   GPU's SM count), so dweight has the same bits on any GPU: about ``BWD_PROGRAM_THREADS /
-  threads-per-program`` programs (``BWD_PROGRAM_THREADS_WIDE`` for blocks of at least
-  ``BWD_WIDE_BLOCK`` columns).
+  threads-per-program`` programs (``BWD_PROGRAM_THREADS_WIDE`` for 16-bit rows whose block is at
+  least ``BWD_WIDE_BLOCK`` columns).
 * The launch parameters that depend on the shape, dtypes and flags only are computed once per such
   key (``_plans``): at decode sizes the launch's Python is a visible share of an eager call.
 * Backward row loop: the next row prefetched into registers (``BWD_PREFETCH``: 16-bit rows whose
@@ -52,19 +52,21 @@ from dsnorm.triton import kernels
 MAX_BLOCK_N = 8192
 MAX_BLOCK_N_FP64 = 4096
 MAX_WARPS = 16
-# The plain backward (x and dy rows, no residual) may use twice the warps: at bf16 [16384, 7168] on
-# an H200 32 warps took 199-206 us against 215 us at 16 (benchmarks/gpu_configs.py); the fused
-# backward at 32 warps took 346-443 us against 308-318 us at 16.
+# The plain backward (x and dy rows, no residual) of 16-bit rows may use twice the warps: at bf16
+# [16384, 7168] on an H200 32 warps took 199-206 us against 215 us at 16 (benchmarks/gpu_configs.py);
+# the fused backward at 32 warps took 336-443 us against 308-318 us at 16. (fp32/fp64 rows were not
+# measured and keep MAX_WARPS.)
 MAX_WARPS_PLAIN_BWD = 32
 # Rows beyond this count share programs in the forward (the grid itself is cheap up to here).
 FWD_MAX_PROGRAMS = 65536
 # The backward's total threads across programs (~ what an H100/H200 keeps resident, 132 SMs x 2048):
 # enough programs to fill the GPU, few enough that the [programs, n] partials stay a few MB.
 BWD_PROGRAM_THREADS = 1 << 18
-# Wide rows (a block of at least BWD_WIDE_BLOCK columns: 16-32 warps and prefetched rows, one
-# program an SM) get half the programs, each with twice the rows: on an H200 at bf16 [16384, 7168]
-# the plain backward took 199 us against 206 us with 2^18 threads, the fused 308 against 318 us.
-# (Narrower rows were within the sweep's noise either way, so they keep 2^18.)
+# Wide 16-bit rows (a block of at least BWD_WIDE_BLOCK columns: 16-32 warps and prefetched rows,
+# one program an SM) get half the programs, each with twice the rows: on an H200 at bf16
+# [16384, 7168] the plain backward took 199 us against 206 us with 2^18 threads, the fused 308
+# against 318 us. (Narrower rows were within the sweep's noise either way, and fp32/fp64 rows were
+# not measured: they keep 2^18.)
 BWD_PROGRAM_THREADS_WIDE = 1 << 17
 BWD_WIDE_BLOCK = 4096
 # The backward's single-block loop loads row i+1 while it reduces row i (the kernel's PREFETCH), for
@@ -126,14 +128,16 @@ def backward_config(n: int, dtype: torch.dtype, fused: bool = True) -> tuple[int
     ``fused``: the backward has a residual (it keeps more row vectors live, so fewer warps)."""
     block = _block(n, dtype)
     per_thread = max(1, 16 // dtype.itemsize)
-    warps = max(1, min(MAX_WARPS if fused else MAX_WARPS_PLAIN_BWD, block // per_thread // 32))
+    cap = MAX_WARPS if fused or dtype.itemsize != 2 else MAX_WARPS_PLAIN_BWD
+    warps = max(1, min(cap, block // per_thread // 32))
     return block, warps, n <= block
 
 
 def backward_rows_per_program(rows: int, n: int, dtype: torch.dtype, fused: bool = True) -> int:
     """The dweight row block: a function of the shape, dtype and kind only."""
     block, warps, _ = backward_config(n, dtype, fused)
-    threads = BWD_PROGRAM_THREADS_WIDE if block >= BWD_WIDE_BLOCK else BWD_PROGRAM_THREADS
+    wide = block >= BWD_WIDE_BLOCK and dtype.itemsize == 2
+    threads = BWD_PROGRAM_THREADS_WIDE if wide else BWD_PROGRAM_THREADS
     programs = max(1, threads // (32 * warps))
     return max(1, -(-rows // programs))
 
@@ -158,9 +162,10 @@ def _stride(t):
 
 
 # Launch parameters that depend on the shape, dtypes and flags only, per such key. The key also
-# holds the module's tunables (the sweep in benchmarks/gpu_configs.py and the tests set them), so
-# a changed setting is never served a stale plan. Bounded: a training run with varying row counts
-# adds a key per count.
+# holds the settings ``_settings`` lists (the module's constants and the two config functions that
+# benchmarks/gpu_configs.py and the tests replace), so a change to those is never served a stale
+# plan; the helpers behind them (``backward_stages``, ``_block``...) are not in it and must not be
+# replaced at run time. Bounded: a training run with varying row counts adds a key per count.
 _plans: dict = {}
 _PLANS_MAX = 4096
 
@@ -302,8 +307,9 @@ def backward_params(dy, x, residual, weight, rstd, dresidual_out, round_first, d
 
 def backward_partials(x, fused: bool = True) -> torch.Tensor:
     """The dweight partials buffer, [programs, n] in the compute dtype, for the backward of ``x``'s
-    rows (``fused``: with a residual). The multi-block path accumulates into its row, so it is
-    zeroed there."""
+    rows (``fused``: with a residual; a plain backward needs ``fused=False``). The multi-block path
+    accumulates into its row, so it is zeroed there. For callers of ``backward_params`` (the tests,
+    the ahead-of-time compiles): ``backward_2d`` sizes its partials from its plan."""
     rows, n = x.shape
     programs = -(-rows // backward_rows_per_program(rows, n, x.dtype, fused))
     cdtype = torch.float64 if x.dtype == torch.float64 else torch.float32
