@@ -55,8 +55,9 @@ MAX_WARPS = 16
 # The plain backward (x and dy rows, no residual) of 16-bit rows may use twice the warps: at bf16
 # [16384, 7168] on an H200 32 warps took 199-206 us against 215 us at 16 (benchmarks/gpu_configs.py);
 # the fused backward at 32 warps took 336-443 us against 308-318 us at 16. (fp32/fp64 rows were not
-# measured and keep MAX_WARPS.)
-MAX_WARPS_PLAIN_BWD = 32
+# measured and keep MAX_WARPS.) Not on ROCm, where a warp is 64 threads: 32 of them would pass the
+# 1024 threads a program may have.
+MAX_WARPS_PLAIN_BWD = 16 if torch.version.hip else 32
 # Rows beyond this count share programs in the forward (the grid itself is cheap up to here).
 FWD_MAX_PROGRAMS = 65536
 # The backward's total threads across programs (~ what an H100/H200 keeps resident, 132 SMs x 2048):
