@@ -18,10 +18,10 @@
 #   5. dsnorm bench --device cuda --backward --cases train: forward + backward at training shapes;
 #   6. benchmarks/gpu_configs.py: the launch-configuration sweep behind the heuristics;
 #   7. benchmarks/gpu_host_profile.py: the host's share of an eager call (dsnorm against Liger).
-# On an H200 (2026-11-30) the steps took 4 + 5 + 83 + 34 + 74 + 30 + 37 + 17 s, 296 s with the
-# machine's own set-up (limits below: 560 s in all, inside the device tool's 600 s a command; the
-# sweep prints each row as it is measured, so a sweep cut short by its limit still leaves its first
-# rows). The exit status is the number of steps that failed.
+# On an H200 (2026-11-30) the steps took 4 + 5 + 83 + 34 + 74 + 30 + 37 + 17 s, and the whole
+# command 296 s with the wheels' install and nvidia-smi. The limits below add up to 560 s, inside
+# the device tool's 600 s a command; the sweep prints each row as it is measured, so a sweep cut
+# short by its limit still leaves its first rows. The exit status is the number of steps that failed.
 set -u
 OUT=${OUT:-/tmp/dsnorm-gpu}
 mkdir -p "$OUT"

@@ -16,9 +16,10 @@ Launch heuristics (no autotuning: the first call must not sweep configs):
   (decode latency under a CUDA graph), for all three widths; the earlier one-16-byte-vector-per-
   thread rule (16 warps at 7168) was 14% slower for the fused [16384, 7168] forward.
 * ``num_warps`` (backward): one 16-byte vector per thread per block (8 bf16/fp16, 4 fp32, 2 fp64
-  elements), clamped to 1..16 warps, or 1..32 for the plain backward of 16-bit rows, which keeps
-  fewer row vectors live (x and dy against x, residual and dy): bf16 7168 -> 16 fused, 32 plain;
-  1536 -> 8; 512 -> 2. The backward holds fewer elements per thread than the forward.
+  elements), clamped to 1..16 warps, or 1..32 (CUDA; 16 on ROCm) for the plain backward of 16-bit
+  rows, which keeps fewer row vectors live (x and dy against x, residual and dy): bf16 7168 -> 16
+  fused, 32 plain; 1536 -> 8; 512 -> 2. The backward holds fewer elements per thread than the
+  forward.
 * Rows per program: forward 1 (each program has a single row's worth of loads in flight; many
   small resident programs hide latency better than a loop that serialises rows), more only past
   ``FWD_MAX_PROGRAMS`` rows. Backward: a row block per program so that the dweight partials stay
@@ -30,7 +31,7 @@ Launch heuristics (no autotuning: the first call must not sweep configs):
   key (``_plans``): at decode sizes the launch's Python is a visible share of an eager call.
 * Backward row loop: the next row prefetched into registers (``BWD_PREFETCH``: 16-bit rows whose
   block is at least ``BWD_PREFETCH_MIN_BLOCK``, i.e. n > 2048); Triton's software pipelining
-  (``BWD_NUM_STAGES``) is there but off until measured (see below).
+  (``BWD_NUM_STAGES``) is there but off (measured: see below).
 
 Batch invariance: ``BLOCK_N`` and ``num_warps`` depend on ``n`` and the dtypes only, and a
 program's rows are processed one at a time by the same code, so a row's forward bits do not depend
@@ -53,7 +54,8 @@ MAX_BLOCK_N = 8192
 MAX_BLOCK_N_FP64 = 4096
 MAX_WARPS = 16
 # The plain backward (x and dy rows, no residual) of 16-bit rows may use twice the warps: at bf16
-# [16384, 7168] on an H200 32 warps took 199-206 us against 215 us at 16 (benchmarks/gpu_configs.py);
+# [16384, 7168] on an H200 32 warps took 206 us against 215 us at 16 with 2^18 program threads, and
+# 199 against 204 with 2^17 (benchmarks/gpu_configs.py; a second run: 204.5 and 197.9 at 32 warps);
 # the fused backward at 32 warps took 336-443 us against 308-318 us at 16. (fp32/fp64 rows were not
 # measured and keep MAX_WARPS.) Not on ROCm, where a warp is 64 threads: 32 of them would pass the
 # 1024 threads a program may have.
@@ -82,10 +84,12 @@ BWD_PREFETCH_MIN_BLOCK = 4096
 # Compiled for sm_90 with Triton 3.6 and 3.9, 2-4 stages issue the next rows' x / residual / dy as
 # cp.async copies into shared memory (16 KB a stage a tensor at 7168 bf16). Without PREFETCH
 # nothing spills; with it, Triton 3.6 spills 8-24 bytes a thread in the fused bf16 [*, 7168] case
-# (3.9 does not). Measured on an H200 with Triton 3.6 (benchmarks/gpu_configs.py, two sessions),
-# bf16 [16384, n], so off: at 7168 the best pipelined variant was within 3% of the default (plain
-# 192 against 198 us, fused 312 against 308), and at 1536 and 512 the same configurations moved by
-# up to 2x between the sessions (512, 3 stages: 140 us, then 41 us), with no consistent winner.
+# (3.9 does not). Measured on an H200 with Triton 3.6 (benchmarks/gpu_configs.py, two runs on
+# 2026-11-30), bf16 [16384, n]: at 7168 the plain backward with 3 stages and no prefetch was 3%
+# faster than the default in both runs (192 against 198 us at 32 warps, 210 against 215 at 16), the
+# fused one 1% slower (312 against 308); at 1536 and 512 the same configurations moved by up to
+# 3.4x between the runs (512, 3 stages: 140 us, then 41 us). Off: the one consistent 3% would need
+# a rule per kind, confirmed by a third run.
 BWD_NUM_STAGES = 1
 # Shared memory the pipelined rows may take, (stages - 1) x one row of every input the loop loads,
 # less a compute-dtype row when the inputs' dtypes differ (Triton then also converts layouts through
@@ -230,8 +234,9 @@ def _rows(t):
 
 
 def empty_output(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A fresh contiguous output of ``like``'s shape on its device. (``empty_like`` takes half the
-    host time of ``torch.empty`` with a device argument: this runs for every output of every call.)"""
+    """A fresh contiguous output of ``like``'s shape on its device. (``empty_like`` took half the
+    host time of ``torch.empty`` with a device argument on the CI machine's CPU tensors, 0.9 against
+    1.9 us: this runs for every output of every call.)"""
     return torch.empty_like(like, dtype=dtype, memory_format=torch.contiguous_format)
 
 
