@@ -235,6 +235,30 @@ def test_torch_func_transforms():
     assert torch.equal(jacrev(norm)(x[0, 0]), torch.autograd.functional.jacobian(norm, x[0, 0]))
 
 
+def test_leading_dims_record_no_view_nodes():
+    # A [batch, seq, n] call goes into the autograd Function in its own shape: no flattening view is
+    # recorded (each was a graph node: ~18 us of a ~87 us training step on the CI machine), and the
+    # gradients equal those of the same rows as [rows, n], bit for bit.
+    x, r = _rand((2, 3, 32), seed=50).to(torch.bfloat16), _rand((2, 3, 32), seed=51).to(torch.bfloat16)
+    w = torch.linspace(0.5, 1.5, 32)
+    g, gr = _rand((2, 3, 32), seed=52).to(torch.bfloat16), _rand((2, 3, 32), seed=53).to(torch.bfloat16)
+    results = []
+    for shape in ((2, 3, 32), (6, 32)):
+        xg, rg = x.reshape(shape).clone().requires_grad_(), r.reshape(shape).clone().requires_grad_()
+        wg = w.clone().requires_grad_()
+        y, res = dsnorm.fused_add_rms_norm(xg, rg, wg)
+        z = dsnorm.rms_norm(xg, wg)
+        assert y.shape == res.shape == z.shape == shape
+        if len(shape) == 3:
+            assert type(y.grad_fn).__name__ == "FusedAddRMSNormFunctionBackward"
+            assert type(z.grad_fn).__name__ == "RMSNormFunctionBackward"
+            assert y.grad_fn.next_functions[0][0].variable is xg  # x reaches the Function unviewed
+        torch.autograd.backward((y, res, z), (g.reshape(shape), gr.reshape(shape), g.reshape(shape)))
+        results.append((y.reshape(6, 32), res.reshape(6, 32), xg.grad.reshape(6, 32), rg.grad.reshape(6, 32), wg.grad))
+    for got, want in zip(*results):
+        assert bits_equal(got.detach(), want.detach())
+
+
 def test_vjp_function_called_after_the_transform():
     # torch.func.vjp's function is called after vjp returned: the Functions' saved inputs are then
     # functorch wrappers of a finished transform (no storage), which take the op, not the kernels.
