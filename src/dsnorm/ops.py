@@ -238,11 +238,6 @@ def row_stride(t: torch.Tensor) -> int:
     return t.shape[-1]
 
 
-def as_rows(t: torch.Tensor) -> torch.Tensor:
-    """A 2-D ``[rows, n]`` view of a rows-viewable tensor (the Triton launchers take 2-D)."""
-    return t if t.dim() == 2 else t.view(-1, t.shape[-1])
-
-
 # ---------------------------------------------------------------------------------------------
 # Device dispatch: the launchers of one device share one interface.
 
