@@ -198,7 +198,7 @@ _is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 def _apply(function, *args):
     """``function.apply(*args)`` (positional arguments only) without the signature binding (dynamo
     traces only ``apply`` itself: it is what compiled code calls)."""
-    if ops._is_compiling() or _transforms_active():
+    if _is_compiling() or _transforms_active():
         return function.apply(*args)
     for a in args:
         if isinstance(a, torch.Tensor) and _is_wrapped(a):

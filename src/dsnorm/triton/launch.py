@@ -294,33 +294,40 @@ def _dtype(t):
     return None if t is None else t.dtype
 
 
+def _backward_args(dy, x, residual, weight, rstd, dresidual_out, dx, dresidual, partials) -> tuple:
+    """The backward kernel's runtime arguments; None-tensors as in ``forward_params``."""
+    assert (residual is None) == (dresidual is None)
+    assert dresidual_out is None or residual is not None
+    return (
+        dy, x, _ptr(residual, x), weight, rstd, _ptr(dresidual_out, dy), dx, _ptr(dresidual, dx), partials,
+        dy.stride(0), x.stride(0), _stride(residual), _stride(dresidual_out), dx.stride(0), _stride(dresidual),
+        x.shape[0], x.shape[1],
+    )
+
+
+def _partials(programs: int, n: int, cdtype: torch.dtype, zeroed: bool, device) -> torch.Tensor:
+    # The multi-block path accumulates into its row of the partials, so they are zeroed there.
+    return (torch.zeros if zeroed else torch.empty)((programs, n), dtype=cdtype, device=device)
+
+
 def backward_params(dy, x, residual, weight, rstd, dresidual_out, round_first, dx, dresidual, partials):
     """``(grid, args, meta)`` of the backward launch; ``partials`` is the [programs, n] scratch
     (see ``backward_partials``). ``meta`` is shared between launches of one key: read it only."""
     rows, n = x.shape
-    assert (residual is None) == (dresidual is None)
-    assert dresidual_out is None or residual is not None
     programs, meta, _, _ = _backward_plan(rows, n, x.dtype, dy.dtype, _dtype(residual), _dtype(dresidual_out),
                                           bool(round_first))
     assert partials.shape == (programs, n) and partials.is_contiguous()
-    args = (
-        dy, x, _ptr(residual, x), weight, rstd, _ptr(dresidual_out, dy), dx, _ptr(dresidual, dx), partials,
-        dy.stride(0), x.stride(0), _stride(residual), _stride(dresidual_out), dx.stride(0), _stride(dresidual),
-        rows, n,
-    )
-    return (programs,), args, meta
+    return (programs,), _backward_args(dy, x, residual, weight, rstd, dresidual_out, dx, dresidual, partials), meta
 
 
 def backward_partials(x, fused: bool = True) -> torch.Tensor:
     """The dweight partials buffer, [programs, n] in the compute dtype, for the backward of ``x``'s
-    rows (``fused``: with a residual; a plain backward needs ``fused=False``). The multi-block path
-    accumulates into its row, so it is zeroed there. For callers of ``backward_params`` (the tests,
-    the ahead-of-time compiles): ``backward_2d`` sizes its partials from its plan."""
+    rows (``fused``: with a residual; a plain backward needs ``fused=False``), as ``backward_2d``
+    allocates it. For callers of ``backward_params`` (the tests, the ahead-of-time compiles)."""
     rows, n = x.shape
-    programs = -(-rows // backward_rows_per_program(rows, n, x.dtype, fused))
-    cdtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    alloc = torch.empty if backward_config(n, x.dtype, fused)[2] else torch.zeros
-    return alloc((programs, n), dtype=cdtype, device=x.device)
+    # The row blocks, the partials' dtype and their zeroing depend on x's dtype and the kind only.
+    programs, _, cdtype, zeroed = _backward_plan(rows, n, x.dtype, x.dtype, x.dtype if fused else None, None, False)
+    return _partials(programs, n, cdtype, zeroed, x.device)
 
 
 def backward(dy, x, residual, weight, rstd, dresidual_out, round_first, dx, dresidual, dweight) -> None:
@@ -342,13 +349,12 @@ def backward_2d(dy, x, residual, weight, rstd, dresidual_out, round_first, dx, d
     if rows == 0:
         dweight.zero_()
         return
-    programs, _, cdtype, zeroed = _backward_plan(rows, n, x.dtype, dy.dtype, _dtype(residual),
-                                                 _dtype(dresidual_out), bool(round_first))
-    partials = (torch.zeros if zeroed else torch.empty)((programs, n), dtype=cdtype, device=x.device)
-    grid, args, meta = backward_params(dy, x, residual, weight, rstd, dresidual_out, round_first, dx, dresidual,
-                                       partials)
+    programs, meta, cdtype, zeroed = _backward_plan(rows, n, x.dtype, dy.dtype, _dtype(residual),
+                                                    _dtype(dresidual_out), bool(round_first))
+    partials = _partials(programs, n, cdtype, zeroed, x.device)
+    args = _backward_args(dy, x, residual, weight, rstd, dresidual_out, dx, dresidual, partials)
     with on_device(x):
-        kernels.rms_norm_bwd_kernel[grid](*args, **meta)
+        kernels.rms_norm_bwd_kernel[(programs,)](*args, **meta)
     if dweight.dtype == partials.dtype:
         torch.sum(partials, dim=0, out=dweight)
     else:
