@@ -29,8 +29,9 @@ strided 576-wide rows count only their 512 used columns; weight is fp32):
 * rms_norm forward:    read x, write y                          = 2*M*N*e + 4*N
 * fused_add forward:   read x, residual; write y, residual_out  = 4*M*N*e + 4*N
 * rms_norm backward:   read dy, x, rstd; write dx; dweight      = 3*M*N*e + 4*M + 8*N
-* fused_add backward:  read dy, x, residual, rstd; write dx, dresidual
-                                                                = 5*M*N*e + 4*M + 8*N
+* fused_add backward:  read dy, x, residual, rstd; write dx, which is also dresidual (the
+                      gradient of x + residual is one tensor, as for autograd's addition;
+                      Liger returns one too)                    = 4*M*N*e + 4*M + 8*N
   (dsnorm's dweight partials, [programs, N] fp32 written then summed, are overhead not counted.)
 * fwd+bwd: the sum of the two (training saves rstd: + 4*M in the forward).
 
@@ -152,7 +153,7 @@ def fwd_bytes(op, m, n, e):
 
 
 def bwd_bytes(op, m, n, e):
-    return (3 if op == "rms_norm" else 5) * m * n * e + 4 * m + 8 * n
+    return (3 if op == "rms_norm" else 4) * m * n * e + 4 * m + 8 * n
 
 
 # ---------------------------------------------------------------------------------------------
@@ -307,7 +308,7 @@ def dsnorm_backward_runner(op, x, r, w, dy):
     rstd = torch.empty(m, device=x.device)
     launch.forward(x, res, w, EPS, False, False, y, ro, rstd)
     dx = torch.empty_like(y)
-    dr = None if res is None else torch.empty_like(y)
+    dr = None  # residual in x's dtype: dx serves as dresidual (the op's rule, dsnorm.ops)
     dw = torch.empty(n, device=x.device)
 
     def run():

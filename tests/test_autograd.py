@@ -80,6 +80,44 @@ def test_fp32_residual_stream_gradient_dtype():
     assert x.grad.dtype == torch.bfloat16 and r.grad.dtype == torch.float32
 
 
+def test_one_gradient_tensor_for_x_and_residual_as_for_an_addition():
+    # The gradient of x + residual is one tensor (the op writes it once), handed to both inputs as
+    # autograd's own addition does: autograd.grad returns it twice, two leaves still get .grad
+    # tensors of their own, and where x and residual derive from one tensor both paths add up.
+    x, r = _rand((5, 96), torch.bfloat16, 60), _rand((5, 96), torch.bfloat16, 61)
+    w = _rand((96,), torch.float32, 62)
+    dy, dro = _rand((5, 96), torch.bfloat16, 63), _rand((5, 96), torch.bfloat16, 64)
+    xs, rs = x.clone().requires_grad_(), r.clone().requires_grad_()
+    y, ro = dsnorm.fused_add_rms_norm(xs, rs, w)
+    gx, gr = torch.autograd.grad((y, ro), (xs, rs), (dy, dro))
+    assert gx is gr
+    # Against the reference's graph: s = x + r, the same bits.
+    xe, re_ = x.clone().requires_grad_(), r.clone().requires_grad_()
+    s = xe.float() + re_.float()
+    want, = torch.autograd.grad((rms_norm_ref(s, w).to(x.dtype), s.to(x.dtype)), (xe,), (dy, dro))
+    assert max_ulp(gx, want) <= 1
+    y, ro = dsnorm.fused_add_rms_norm(xs, rs, w)
+    torch.autograd.backward((y, ro), (dy, dro))
+    assert bits_equal(xs.grad, gx) and bits_equal(rs.grad, gx)
+    assert xs.grad.data_ptr() != rs.grad.data_ptr()
+    xs.grad.zero_()  # an optimiser's in-place update of one .grad leaves the other alone
+    assert bits_equal(rs.grad, gx)
+    # x and residual from one tensor h (h feeds both): h's gradient is the two paths' sum.
+    h = x.clone().requires_grad_()
+    y, ro = dsnorm.fused_add_rms_norm(h * 2, h, w)
+    torch.autograd.backward((y, ro), (dy, dro))
+    he = x.clone().requires_grad_()
+    s = (he * 2).float() + he.float()
+    torch.autograd.backward((rms_norm_ref(s, w).to(x.dtype), s.to(x.dtype)), (dy, dro))
+    assert max_ulp(h.grad, he.grad) <= 1
+    # Only one of the two needs a gradient.
+    for needs in ("x", "residual"):
+        a, b = x.clone().requires_grad_(needs == "x"), r.clone().requires_grad_(needs == "residual")
+        y, ro = dsnorm.fused_add_rms_norm(a, b, w)
+        g, = torch.autograd.grad((y, ro), (a if needs == "x" else b,), (dy, dro))
+        assert bits_equal(g, gx)
+
+
 def test_low_precision_weight_gradient_comes_back_in_its_dtype():
     x = _rand((4, 64), torch.float32, 19)
     w = _rand((64,), torch.bfloat16, 20).requires_grad_()

@@ -36,12 +36,31 @@ OP_CASES = {
         _rand((3, 64)), _rand((3, 64), seed=1), _rand((3, 64), seed=2), torch.randn(64), torch.rand(3) + 0.5,
         _rand((3, 64), seed=3), "fp32_sum",
     ),
+    # An fp32 residual stream under bf16 x: the one case whose dresidual is returned (not None).
+    "fused_add_rms_norm_bwd/fp32 residual": lambda: (
+        _rand((3, 64)), _rand((3, 64), seed=1), _rand((3, 64), torch.float32, 2), torch.randn(64),
+        torch.rand(3) + 0.5, _rand((3, 64), torch.float32, 3), "fp32_sum",
+    ),
 }
 
 
 @pytest.mark.parametrize("name", sorted(OP_CASES))
 def test_opcheck(name):
-    torch.library.opcheck(getattr(torch.ops.dsnorm, name).default, OP_CASES[name]())
+    op = getattr(torch.ops.dsnorm, name.split("/")[0]).default
+    torch.library.opcheck(op, OP_CASES[name]())
+
+
+def test_fused_backward_op_returns_dresidual_only_for_a_residual_of_another_dtype():
+    # The gradient of x + residual is one tensor for both inputs: in x's dtype the op writes it
+    # once (dresidual None, the autograd Function hands dx to both); an fp32 residual under bf16 x
+    # gets its own, unrounded to bf16.
+    dy, x, r = _rand((3, 64)), _rand((3, 64), seed=1), _rand((3, 64), seed=2)
+    w, rstd, dro = torch.rand(64) + 0.5, torch.rand(3) + 0.5, _rand((3, 64), torch.float32, 3)
+    dx, dr, _ = torch.ops.dsnorm.fused_add_rms_norm_bwd(dy, x, r, w, rstd, dro, "fp32_sum")
+    assert dr is None and dx.dtype == torch.bfloat16
+    dx32, dr32, _ = torch.ops.dsnorm.fused_add_rms_norm_bwd(dy, x, r.float(), w, rstd, dro, "fp32_sum")
+    assert dr32.dtype == torch.float32 and torch.equal(dx32, dx)
+    assert torch.equal(dr32.bfloat16(), dx) and not torch.equal(dr32, dx.float())
 
 
 def test_compile_fullgraph_module_matches_eager():
@@ -59,12 +78,18 @@ def test_compile_fullgraph_module_matches_eager():
     with torch.no_grad():
         for a, b in zip(compiled(x, r), block(x, r)):
             assert bits_equal(a, b)
-    # training through the compiled graph
-    xs = x.float().requires_grad_()
-    xe = x.float().requires_grad_()
-    compiled(xs, r.float())[0].float().sum().backward()
-    block(xe, r.float())[0].float().sum().backward()
-    assert bits_equal(xs.grad, xe.grad)
+    # training through the compiled graph, x and the residual both differentiated (their gradient
+    # is one tensor in the backward graph, as for an addition)
+    xs, rs = x.float().requires_grad_(), r.float().requires_grad_()
+    xe, re_ = x.float().requires_grad_(), r.float().requires_grad_()
+
+    def loss(out):
+        return out[0].float().sum() + out[1].float().pow(2).sum()
+
+    loss(compiled(xs, rs)).backward()
+    loss(block(xe, re_)).backward()
+    for a, b in ((xs.grad, xe.grad), (rs.grad, re_.grad), (xs.grad, rs.grad)):
+        assert bits_equal(a, b)
 
 
 def test_compile_fullgraph_of_the_inplace_form():
@@ -497,7 +522,8 @@ def test_backward_ops_read_a_strided_rstd():
     strided = torch.stack((rstd, torch.full_like(rstd, 7.0)), 1)[:, 0]
     want = torch.ops.dsnorm.fused_add_rms_norm_bwd(dy, x, r, w, rstd, None, "fp32_sum")
     got = torch.ops.dsnorm.fused_add_rms_norm_bwd(dy, x, r, w, strided, None, "fp32_sum")
-    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    assert want[1] is None and got[1] is None  # fp32 x: dresidual is dx (see the op's docstring)
+    assert torch.equal(want[0], got[0]) and torch.equal(want[2], got[2])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -67,10 +67,13 @@ SCRIPT = textwrap.dedent(
         _, args, meta = launch.forward_params(x, res, w, 1e-6, hf, rf, y, ro, torch.empty(r, dtype=w.dtype))
         bf16 = torch.bfloat16 in (dtype, rdtype)
         check(compile_launch(kernels.rms_norm_fwd_kernel, args, meta), f"fwd {r}x{n} {dtype} {rdtype}", True, fp, bf16)
-        dres = None if rdtype is None else rows(r, n, rdtype, stride)
+        dro = None if rdtype is None else rows(r, n, rdtype, stride)
+        # dresidual is written only for a residual of another dtype (the op's rule: else dx is it).
+        dres = None if rdtype in (None, dtype) else rows(r, n, rdtype, stride)
         partials = launch.backward_partials(x, fused=res is not None)
-        _, args, meta = launch.backward_params(rows(r, n, dtype, stride), x, res, w, torch.ones(r, dtype=w.dtype), dres, rf,
+        _, args, meta = launch.backward_params(rows(r, n, dtype, stride), x, res, w, torch.ones(r, dtype=w.dtype), dro, rf,
                                                rows(r, n, dtype, stride), dres, partials)
+        assert meta["HAS_DR"] == (dres is not None)
         check(compile_launch(kernels.rms_norm_bwd_kernel, args, meta), f"bwd {r}x{n} {dtype} {rdtype}", False, fp, bf16)
         launch.MAX_BLOCK_N = 8192
 

@@ -398,9 +398,13 @@ def test_multi_block_real_width():
 # Backward.
 
 
-def _run_backward(dy, x, r, w, rstd, dro, round_first):
+def _run_backward(dy, x, r, w, rstd, dro, round_first, write_dr=None):
+    """The launcher's backward; dresidual written as the op asks for it (only for a residual of
+    another dtype than x's: else dx serves both) unless ``write_dr`` says otherwise."""
+    if write_dr is None:
+        write_dr = r is not None and r.dtype != x.dtype
     dx = torch.empty(x.shape, dtype=x.dtype)
-    dr = None if r is None else torch.empty(r.shape, dtype=r.dtype)
+    dr = torch.empty(r.shape, dtype=r.dtype) if write_dr else None
     dw = torch.empty(w.shape, dtype=w.dtype)
     launch.backward(dy, x, r, w, rstd, dro, round_first, dx, dr, dw)
     return dx, dr, dw
@@ -431,12 +435,16 @@ def _check_backward(x, r, w, rstd, dro, round_first, s, gen=None):
         ds_ref = ds_ref + dro.double()
     term = float((dy.double() * w.double() * rstd.double()[:, None]).abs().max())
     _assert_grad_close(dx, ds_ref, term)
-    if r is not None:
+    if dr is not None:
         _assert_grad_close(dr, ds_ref, term)
     _assert_grad_close(dw, dw_ref)
-    dx2, dr2, dw2 = _run_backward(dy, x, r, w, rstd, dro, round_first)
+    # Again (dweight's determinism), with dresidual written where it was not (and the reverse):
+    # the flag changes nothing else, and a dresidual in x's dtype is dx's bits.
+    dx2, dr2, dw2 = _run_backward(dy, x, r, w, rstd, dro, round_first, write_dr=r is not None and dr is None)
     assert_bitwise(dw2, dw)
     assert_bitwise(dx2, dx)
+    if dr2 is not None:
+        assert_bitwise(dr2, dx)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -108,6 +108,11 @@ def _fused_backward(what, ctx, dy, dresidual_out):
         direct = _direct(dy, x, residual, weight, rstd, *(() if dro is None else (dro,)))
         dx, dresidual, dweight = (ops.fused_add_rms_norm_bwd if direct else _fused_bwd)(
             dy, x, residual, weight, rstd, dro, ctx.residual_rounding)
+        if dresidual is None:
+            # residual in x's dtype: its gradient is dx's bits, returned as one tensor for both as
+            # autograd's addition does (the op writes it once; autograd clones where two leaves
+            # would otherwise share a .grad).
+            dresidual = dx
     return (*_first_order_only(what, (dx, dresidual, dweight), incoming), None, None, None, None)
 
 
@@ -314,6 +319,10 @@ def fused_add_rms_norm(
     Returns:
         ``(y, residual_out)``: ``y`` in ``x.dtype``; ``residual_out = s`` in ``residual_dtype``
         (``x.dtype`` by default), both fresh contiguous ``[..., n]`` tensors.
+
+    Gradients: those of ``x`` and ``residual`` (the gradient of ``s``) are one tensor when the
+    residual has ``x.dtype``, written once and handed to both, as PyTorch's ``x + residual`` does
+    (autograd clones it where two leaves would share a ``.grad``).
     """
     lane = None if _is_compiling() else ops.lane
     if lane is not None:

@@ -1049,7 +1049,8 @@ def dweight_block_rows(rows: int) -> int:
 
 
 def backward(dy, x, residual, weight, rstd, dresidual_out, round_first, dx, dresidual, dweight) -> None:
-    """Gradients of ``forward``: dx (x.dtype), dresidual (residual's dtype), dweight ([n], written).
+    """Gradients of ``forward``: dx (x.dtype), dresidual (residual's dtype; None: not written, the
+    caller's dx serves both), dweight ([n], written).
 
     ds = rstd * (g - xhat * mean(g * xhat)) + dresidual_out, g = dy * weight, xhat = s * rstd;
     dweight = sum over rows of dy * xhat, reduced over fixed row blocks in block order.

@@ -11,7 +11,9 @@ Ops (``torch.ops.dsnorm.*``):
 * ``fused_add_rms_norm_(x!, residual!, weight, eps, cast, residual_rounding) -> ()`` (in place)
 * ``rms_norm_bwd(dy, x, weight, rstd) -> (dx, dweight)``
 * ``fused_add_rms_norm_bwd(dy, x, residual, weight, rstd, dresidual_out, residual_rounding)
-  -> (dx, dresidual, dweight)``
+  -> (dx, dresidual, dweight)``; ``dresidual`` is None when ``residual`` has x's dtype: the
+  gradient of ``x + residual`` is then the same tensor for both (the caller uses ``dx``, as
+  autograd's own addition does), and writing it twice would be one ``[rows, n]`` stream more
 
 Every op takes tensors of any leading shape and a unit-stride last dimension (other inputs are
 copied once); ``weight`` is already in the compute dtype (fp32, fp64 for fp64 ``x``): the
@@ -54,7 +56,7 @@ lib.define(
 lib.define("rms_norm_bwd(Tensor dy, Tensor x, Tensor weight, Tensor rstd) -> (Tensor, Tensor)")
 lib.define(
     "fused_add_rms_norm_bwd(Tensor dy, Tensor x, Tensor residual, Tensor weight, Tensor rstd, "
-    "Tensor? dresidual_out, str residual_rounding) -> (Tensor, Tensor, Tensor)"
+    "Tensor? dresidual_out, str residual_rounding) -> (Tensor, Tensor?, Tensor)"
 )
 
 
@@ -542,7 +544,7 @@ def fused_add_rms_norm_bwd(dy, x, residual, weight, rstd, dresidual_out, residua
     residual = readable_rows(residual)
     launcher = _launcher(x)
     dx = launcher.empty_output(x, x.dtype)
-    dresidual = launcher.empty_output(residual, residual.dtype)
+    dresidual = None if residual.dtype == x.dtype else launcher.empty_output(residual, residual.dtype)
     dweight = torch.empty_like(weight)
     launcher.backward(
         readable_rows(dy), x, residual, weight, rstd,
@@ -668,6 +670,6 @@ def _fused_bwd_fake(dy, x, residual, weight, rstd, dresidual_out, residual_round
     check_backward(dy, x, weight, rstd, residual, dresidual_out)
     return (
         torch.empty_like(x, memory_format=torch.contiguous_format),
-        torch.empty_like(residual, memory_format=torch.contiguous_format),
+        None if residual.dtype == x.dtype else torch.empty_like(residual, memory_format=torch.contiguous_format),
         torch.empty_like(weight),
     )

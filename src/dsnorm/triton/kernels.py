@@ -258,7 +258,7 @@ def rms_norm_bwd_kernel(
     RSTD,  # [rows] rstd saved by the forward (compute dtype)
     DRO,  # [rows, n] gradient flowing into residual_out; unused unless HAS_DRO
     DX,  # [rows, n] out: gradient of x, in x's dtype (may alias DY)
-    DR,  # [rows, n] out: gradient of residual, in residual's dtype; unused unless HAS_RESIDUAL
+    DR,  # [rows, n] out: gradient of residual, in residual's dtype; unused unless HAS_DR
     DW_PARTIAL,  # [programs, n] out, compute dtype: this program's sum of dy * xhat over its rows;
     # must be zeroed by the launcher when SINGLE_BLOCK is off (accumulated block by block then)
     stride_dy,  # row strides in elements
@@ -274,6 +274,8 @@ def rms_norm_bwd_kernel(
     SINGLE_BLOCK: tl.constexpr,  # n <= BLOCK_N: one pass per row, dweight partial in registers
     HAS_RESIDUAL: tl.constexpr,  # the forward was the fused form
     HAS_DRO: tl.constexpr,  # residual_out received a gradient: ds += d residual_out
+    HAS_DR: tl.constexpr,  # write DR: only for a residual of another dtype than x's (the gradient of
+    # x + residual is one tensor for both, which the caller takes from DX: one [rows, n] stream less)
     ROUND_FIRST: tl.constexpr,  # the forward normalised s rounded to x's dtype
     PREFETCH: tl.constexpr,  # single block: load the next row's x, residual, dy before this row's
     # reduction, so that a program (one or two resident per SM at these widths) keeps loads in flight
@@ -319,7 +321,7 @@ def rms_norm_bwd_kernel(
             if HAS_DRO:
                 ds += _widen(tl.load(DRO + row64 * stride_dro + cols, mask=mask, other=0.0), CD)
             tl.store(DX + row64 * stride_dx + cols, _narrow(ds, DX.dtype.element_ty), mask=mask)
-            if HAS_RESIDUAL:
+            if HAS_DR:
                 tl.store(DR + row64 * stride_dr + cols, _narrow(ds, DR.dtype.element_ty), mask=mask)
             dw += dy * xhat
         tl.store(dw_row + cols, dw, mask=mask)
@@ -351,7 +353,7 @@ def rms_norm_bwd_kernel(
                 if HAS_DRO:
                     ds += _widen(tl.load(DRO + row64 * stride_dro + c, mask=m, other=0.0), CD)
                 tl.store(DX + row64 * stride_dx + c, _narrow(ds, DX.dtype.element_ty), mask=m)
-                if HAS_RESIDUAL:
+                if HAS_DR:
                     tl.store(DR + row64 * stride_dr + c, _narrow(ds, DR.dtype.element_ty), mask=m)
                 partial = tl.load(dw_row + c, mask=m, other=0.0)
                 tl.store(dw_row + c, partial + dy * xhat, mask=m)

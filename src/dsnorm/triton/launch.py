@@ -264,9 +264,10 @@ def forward_2d(x, residual, weight, eps, cast_hf, round_first, y, residual_out, 
         kernels.rms_norm_fwd_kernel[grid](*args, **meta)
 
 
-def _backward_plan(rows, n, dtype, dy_dtype, residual_dtype, dro_dtype, round_first):
-    """``(programs, meta, partials dtype, partials zeroed)`` for the backward of this key."""
-    key = ("bwd", rows, n, dtype, dy_dtype, residual_dtype, dro_dtype, round_first, _settings())
+def _backward_plan(rows, n, dtype, dy_dtype, residual_dtype, dro_dtype, dr_dtype, round_first):
+    """``(programs, meta, partials dtype, partials zeroed)`` for the backward of this key
+    (``dr_dtype``: dresidual's, None when it is not written)."""
+    key = ("bwd", rows, n, dtype, dy_dtype, residual_dtype, dro_dtype, dr_dtype, round_first, _settings())
     plan = _plans.get(key)
     if plan is not None:
         return plan
@@ -280,6 +281,7 @@ def _backward_plan(rows, n, dtype, dy_dtype, residual_dtype, dro_dtype, round_fi
         SINGLE_BLOCK=single,
         HAS_RESIDUAL=fused,
         HAS_DRO=dro_dtype is not None,
+        HAS_DR=dr_dtype is not None,
         ROUND_FIRST=round_first and fused,
         PREFETCH=BWD_PREFETCH and single and block >= BWD_PREFETCH_MIN_BLOCK and dtype.itemsize == 2,
         NUM_STAGES=backward_stages(block, loaded) if single else 1,
@@ -296,7 +298,7 @@ def _dtype(t):
 
 def _backward_args(dy, x, residual, weight, rstd, dresidual_out, dx, dresidual, partials) -> tuple:
     """The backward kernel's runtime arguments; None-tensors as in ``forward_params``."""
-    assert (residual is None) == (dresidual is None)
+    assert dresidual is None or residual is not None
     assert dresidual_out is None or residual is not None
     return (
         dy, x, _ptr(residual, x), weight, rstd, _ptr(dresidual_out, dy), dx, _ptr(dresidual, dx), partials,
@@ -315,7 +317,7 @@ def backward_params(dy, x, residual, weight, rstd, dresidual_out, round_first, d
     (see ``backward_partials``). ``meta`` is shared between launches of one key: read it only."""
     rows, n = x.shape
     programs, meta, _, _ = _backward_plan(rows, n, x.dtype, dy.dtype, _dtype(residual), _dtype(dresidual_out),
-                                          bool(round_first))
+                                          _dtype(dresidual), bool(round_first))
     assert partials.shape == (programs, n) and partials.is_contiguous()
     return (programs,), _backward_args(dy, x, residual, weight, rstd, dresidual_out, dx, dresidual, partials), meta
 
@@ -326,7 +328,8 @@ def backward_partials(x, fused: bool = True) -> torch.Tensor:
     allocates it. For callers of ``backward_params`` (the tests, the ahead-of-time compiles)."""
     rows, n = x.shape
     # The row blocks, the partials' dtype and their zeroing depend on x's dtype and the kind only.
-    programs, _, cdtype, zeroed = _backward_plan(rows, n, x.dtype, x.dtype, x.dtype if fused else None, None, False)
+    programs, _, cdtype, zeroed = _backward_plan(rows, n, x.dtype, x.dtype, x.dtype if fused else None, None, None,
+                                                 False)
     return _partials(programs, n, cdtype, zeroed, x.device)
 
 
@@ -337,7 +340,8 @@ def backward(dy, x, residual, weight, rstd, dresidual_out, round_first, dx, dres
 
 
 def backward_2d(dy, x, residual, weight, rstd, dresidual_out, round_first, dx, dresidual, dweight) -> None:
-    """Gradients of ``forward``: dx (x.dtype), dresidual (residual's dtype), dweight ([n], written).
+    """Gradients of ``forward``: dx (x.dtype), dresidual (residual's dtype; None: not written, the
+    caller's dx serves both), dweight ([n], written).
 
     ds = rstd * (g - xhat * mean(g * xhat)) + dresidual_out, g = dy * weight, xhat = s * rstd;
     dweight = sum over rows of dy * xhat: per-program partials over fixed row blocks, then one
@@ -350,7 +354,7 @@ def backward_2d(dy, x, residual, weight, rstd, dresidual_out, round_first, dx, d
         dweight.zero_()
         return
     programs, meta, cdtype, zeroed = _backward_plan(rows, n, x.dtype, dy.dtype, _dtype(residual),
-                                                    _dtype(dresidual_out), bool(round_first))
+                                                    _dtype(dresidual_out), _dtype(dresidual), bool(round_first))
     partials = _partials(programs, n, cdtype, zeroed, x.device)
     args = _backward_args(dy, x, residual, weight, rstd, dresidual_out, dx, dresidual, partials)
     with on_device(x):
