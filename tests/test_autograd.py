@@ -321,18 +321,18 @@ def test_unused_outputs_reach_the_backward_as_nothing(monkeypatch):
     from dsnorm import ops
 
     seen = []
-    real_fused, real_plain = ops.fused_add_rms_norm_bwd, ops.rms_norm_bwd
+    real_fused, real_plain = ops.fused_add_rms_norm_bwd_unchecked, ops.rms_norm_bwd_unchecked
 
-    def fused_spy(dy, x, residual, weight, rstd, dresidual_out, rounding):
+    def fused_spy(dy, x, residual, weight, rstd, dresidual_out, round_first):
         seen.append(("fused", dresidual_out))
-        return real_fused(dy, x, residual, weight, rstd, dresidual_out, rounding)
+        return real_fused(dy, x, residual, weight, rstd, dresidual_out, round_first)
 
     def plain_spy(dy, x, weight, rstd):
         seen.append(("plain", dy))
         return real_plain(dy, x, weight, rstd)
 
-    monkeypatch.setattr(ops, "fused_add_rms_norm_bwd", fused_spy)
-    monkeypatch.setattr(ops, "rms_norm_bwd", plain_spy)
+    monkeypatch.setattr(ops, "fused_add_rms_norm_bwd_unchecked", fused_spy)
+    monkeypatch.setattr(ops, "rms_norm_bwd_unchecked", plain_spy)
     x, r = _rand((3, 48), seed=46).float(), _rand((3, 48), seed=47).float()
     w = torch.linspace(0.5, 1.5, 48)
     xg, rg, wg = x.clone().requires_grad_(), r.clone().requires_grad_(), w.clone().requires_grad_()
@@ -345,6 +345,32 @@ def test_unused_outputs_reach_the_backward_as_nothing(monkeypatch):
     torch.testing.assert_close(gw.double(), want_w, rtol=1e-5, atol=1e-6)
     dsnorm.rms_norm(xg, wg).sum().backward()
     assert seen[0] == ("fused", None) and seen[1][0] == "plain" and seen[1][1] is not None
+
+
+def test_output_gradients_of_another_dtype_shape_or_device_are_handled_by_autograd():
+    # The Functions' backward calls the kernels without the backward ops' checks: the saved tensors
+    # passed the forward's, and autograd casts an output gradient of another dtype to the output's
+    # and refuses another shape or device (what the unchecked call relies on).
+    x, r = _rand((3, 40), torch.bfloat16, 70), _rand((3, 40), torch.bfloat16, 71)
+    w = torch.linspace(0.5, 1.5, 40)
+    dy, dro = _rand((3, 40), torch.float32, 72), _rand((3, 40), torch.float32, 73)
+
+    def grads(gy, gr, fused=True):
+        xs, rs, ws = x.clone().requires_grad_(), r.clone().requires_grad_(), w.clone().requires_grad_()
+        if not fused:
+            torch.autograd.backward(dsnorm.rms_norm(xs, ws), gy)
+            return xs.grad, ws.grad
+        torch.autograd.backward(dsnorm.fused_add_rms_norm(xs, rs, ws), (gy, gr))
+        return xs.grad, rs.grad, ws.grad
+
+    for fused in (True, False):
+        want = grads(dy.bfloat16(), dro.bfloat16(), fused)
+        got = grads(dy, dro, fused)  # fp32 gradients for bf16 outputs
+        assert all(bits_equal(a, b) for a, b in zip(got, want))
+        with pytest.raises(RuntimeError, match="[Mm]ismatch in shape|shape"):
+            grads(dy[:2], dro[:2], fused)
+        with pytest.raises(RuntimeError, match="device"):
+            grads(dy.to("meta"), dro.to("meta"), fused)
 
 
 def test_tensor_leaked_from_a_transform_in_grad_mode():

@@ -85,7 +85,10 @@ def _plain_backward(what, ctx, dy_in):
     x, weight, rstd = ctx.saved_tensors
     with torch.no_grad():
         dy = torch.zeros_like(x) if dy_in is None else dy_in.contiguous()
-        dx, dweight = (ops.rms_norm_bwd if _direct(dy, x, weight, rstd) else _bwd)(dy, x, weight, rstd)
+        if _direct(dy, x, weight, rstd):
+            dx, dweight = ops.rms_norm_bwd_unchecked(dy, x, weight, rstd)
+        else:
+            dx, dweight = _bwd(dy, x, weight, rstd)
     return (*_first_order_only(what, (dx, dweight), (dy_in, x, weight)), None, None)
 
 
@@ -105,9 +108,11 @@ def _fused_backward(what, ctx, dy, dresidual_out):
             dy = torch.zeros_like(x)
         dy = dy.contiguous()
         dro = None if dresidual_out is None else dresidual_out.contiguous()
-        direct = _direct(dy, x, residual, weight, rstd, *(() if dro is None else (dro,)))
-        dx, dresidual, dweight = (ops.fused_add_rms_norm_bwd if direct else _fused_bwd)(
-            dy, x, residual, weight, rstd, dro, ctx.residual_rounding)
+        if _direct(dy, x, residual, weight, rstd, *(() if dro is None else (dro,))):
+            dx, dresidual, dweight = ops.fused_add_rms_norm_bwd_unchecked(
+                dy, x, residual, weight, rstd, dro, ctx.residual_rounding == "round_first")
+        else:
+            dx, dresidual, dweight = _fused_bwd(dy, x, residual, weight, rstd, dro, ctx.residual_rounding)
         if dresidual is None:
             # residual in x's dtype: its gradient is dx's bits, returned as one tensor for both as
             # autograd's addition does (the op writes it once; autograd clones where two leaves
