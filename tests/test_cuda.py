@@ -288,6 +288,27 @@ def test_backward_prefetch_rows(dtype, monkeypatch):
         _assert_grad_close(grads[0][0][:k], ds64, float(ds64.abs().max()))
 
 
+def test_backward_of_an_fp32_residual_stream():
+    # bf16 x with an fp32 residual stream: the one fused case whose dresidual is written apart from
+    # dx (HAS_DR): fp32, unrounded; dx is its bf16 rounding, both of the fp64 reference's ds.
+    gen = torch.Generator().manual_seed(37)
+    for rows, n in ((3, 111), (4, 7168), (2, 9000)):
+        x = rows_of(rows, n, torch.bfloat16, gen)
+        r = rows_of(rows, n, torch.bfloat16, gen, scale=4.0).float()
+        w = weight_of(n, gen)
+        dy, dres = rows_of(rows, n, torch.bfloat16, gen), rows_of(rows, n, torch.float32, gen)
+        xg = x.cuda().requires_grad_()
+        rg = r.cuda().requires_grad_()
+        y, ro = dsnorm.fused_add_rms_norm(xg, rg, w.cuda(), EPS, residual_dtype=torch.float32)
+        dx, dr = torch.autograd.grad((y, ro), (xg, rg), (dy.cuda(), dres.cuda()))
+        assert dx.dtype == torch.bfloat16 and dr.dtype == torch.float32
+        assert_bitwise(dx, dr.to(torch.bfloat16))
+        s = x.float() + r
+        ds64, _ = rms_norm_backward_ref(dy, s, w, EPS)
+        ds64 = ds64 + dres.double()
+        _assert_grad_close(dr, ds64, float(ds64.abs().max()))
+
+
 def test_backward_pipelined_plain_and_fp32(monkeypatch):
     # The pipelined backward (BWD_NUM_STAGES, off by default) on the plain norm it is meant for,
     # [2048, 7168] bf16, and on fp32 fused rows, where 4 stages asked for are cut to what
