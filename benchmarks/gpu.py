@@ -29,9 +29,10 @@ strided 576-wide rows count only their 512 used columns; weight is fp32):
 * rms_norm forward:    read x, write y                          = 2*M*N*e + 4*N
 * fused_add forward:   read x, residual; write y, residual_out  = 4*M*N*e + 4*N
 * rms_norm backward:   read dy, x, rstd; write dx; dweight      = 3*M*N*e + 4*M + 8*N
-* fused_add backward:  read dy, x, residual, rstd; write dx, which is also dresidual (the
-                      gradient of x + residual is one tensor, as for autograd's addition;
-                      Liger returns one too)                    = 4*M*N*e + 4*M + 8*N
+* fused_add backward:  read dy, x, residual, rstd; write dx, dresidual
+                                                                = 5*M*N*e + 4*M + 8*N
+  (impl ``dsnorm.shared``: dresidual not written, dx serving both, as the autograd Functions
+  launch it along a chain of fused norms: 4*M*N*e + 4*M + 8*N)
   (dsnorm's dweight partials, [programs, N] fp32 written then summed, are overhead not counted.)
 * fwd+bwd: the sum of the two (training saves rstd: + 4*M in the forward).
 
@@ -152,8 +153,8 @@ def fwd_bytes(op, m, n, e):
     return (2 if op == "rms_norm" else 4) * m * n * e + 4 * n
 
 
-def bwd_bytes(op, m, n, e):
-    return (3 if op == "rms_norm" else 4) * m * n * e + 4 * m + 8 * n
+def bwd_bytes(op, m, n, e, shared=False):
+    return (3 if op == "rms_norm" else 4 if shared else 5) * m * n * e + 4 * m + 8 * n
 
 
 # ---------------------------------------------------------------------------------------------
@@ -294,8 +295,9 @@ FORWARD_IMPLS = {
 # Backward.
 
 
-def dsnorm_backward_runner(op, x, r, w, dy):
-    """The launcher's backward after a forward that saved rstd; returns run() and a checker."""
+def dsnorm_backward_runner(op, x, r, w, dy, shared=False):
+    """The launcher's backward after a forward that saved rstd; returns run() and a checker.
+    ``shared``: no dresidual written (dx serves both, as along a chain of fused norms)."""
     import torch
 
     from dsnorm.ref import rms_norm_backward_ref
@@ -308,7 +310,7 @@ def dsnorm_backward_runner(op, x, r, w, dy):
     rstd = torch.empty(m, device=x.device)
     launch.forward(x, res, w, EPS, False, False, y, ro, rstd)
     dx = torch.empty_like(y)
-    dr = None  # residual in x's dtype: dx serves as dresidual (the op's rule, dsnorm.ops)
+    dr = None if res is None or shared else torch.empty_like(y)
     dw = torch.empty(n, device=x.device)
 
     def run():
@@ -479,17 +481,20 @@ def main(argv=None) -> int:
                             all_ok = False
                             note += " FAILED"
                     record(op, m, n, stride, name, ms, nbytes, ulp, res, note)
-                # Backward: the launcher alone, then fwd+bwd through autograd.
-                try:
-                    run, check = dsnorm_backward_runner(op, x, r, w, dy)
-                    ok, msg = check()
-                    all_ok = all_ok and ok
-                    record(op + "-bwd", m, n, stride, "dsnorm.launch", bench(run, args.quick),
-                           bwd_bytes(op, m, n, x.element_size()), note=msg + ("" if ok else " FAILED"))
-                except Exception as e:
-                    all_ok = False
-                    print(f"{op}-bwd {m} {n} dsnorm.launch ERROR {type(e).__name__}: {e}", flush=True)
-                    traceback.print_exc()
+                # Backward: the launcher alone (fused: also with dresidual shared), then fwd+bwd
+                # through autograd.
+                for shared in (False, True) if op == "fused_add" else (False,):
+                    impl = "dsnorm.shared" if shared else "dsnorm.launch"
+                    try:
+                        run, check = dsnorm_backward_runner(op, x, r, w, dy, shared)
+                        ok, msg = check()
+                        all_ok = all_ok and ok
+                        record(op + "-bwd", m, n, stride, impl, bench(run, args.quick),
+                               bwd_bytes(op, m, n, x.element_size(), shared), note=msg + ("" if ok else " FAILED"))
+                    except Exception as e:
+                        all_ok = False
+                        print(f"{op}-bwd {m} {n} {impl} ERROR {type(e).__name__}: {e}", flush=True)
+                        traceback.print_exc()
                 for name in ("dsnorm.api", "compile(ref)", "liger"):
                     if name in unavailable or name not in impls:
                         continue

@@ -95,7 +95,7 @@ def main(argv=None) -> int:
                        warps == picked_warps)
         if m < 4096:
             continue
-        # The backward, fused (dx, which is also dresidual, and dweight) at every width and plain (dx, dweight) at the
+        # The backward, fused (dx, dresidual, dweight) at every width and plain (dx, dweight) at the
         # hidden width, where it is furthest below the goal: prefetch off/on with 1-3 pipelining
         # stages, then the programs' thread budget against the warps.
         for fused in (True, False):
@@ -103,13 +103,13 @@ def main(argv=None) -> int:
                 continue
             res = r if fused else None
             kind = "bwd-fused" if fused else "bwd-plain"
-            nbytes = (4 if fused else 3) * m * n * 2 + 4 * m + 8 * n
+            nbytes = (5 if fused else 3) * m * n * 2 + 4 * m + 8 * n
             rstd = torch.empty(m, device="cuda")
             y = torch.empty(m, n, dtype=x.dtype, device="cuda")
             ro = torch.empty_like(y) if fused else None
             launch.forward(x, res, w, EPS, False, False, y, ro, rstd)
             dx, dw = torch.empty_like(y), torch.empty(n, device="cuda")
-            dr = None  # bf16 residual: the op writes no dresidual (dx serves both)
+            dr = torch.empty_like(y) if fused else None
 
             def bwd():
                 launch.backward(dy, x, res, w, rstd, None, False, dx, dr, dw)

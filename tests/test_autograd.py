@@ -80,42 +80,90 @@ def test_fp32_residual_stream_gradient_dtype():
     assert x.grad.dtype == torch.bfloat16 and r.grad.dtype == torch.float32
 
 
-def test_one_gradient_tensor_for_x_and_residual_as_for_an_addition():
-    # The gradient of x + residual is one tensor (the op writes it once), handed to both inputs as
-    # autograd's own addition does: autograd.grad returns it twice, two leaves still get .grad
-    # tensors of their own, and where x and residual derive from one tensor both paths add up.
-    x, r = _rand((5, 96), torch.bfloat16, 60), _rand((5, 96), torch.bfloat16, 61)
-    w = _rand((96,), torch.float32, 62)
-    dy, dro = _rand((5, 96), torch.bfloat16, 63), _rand((5, 96), torch.bfloat16, 64)
-    xs, rs = x.clone().requires_grad_(), r.clone().requires_grad_()
-    y, ro = dsnorm.fused_add_rms_norm(xs, rs, w)
-    gx, gr = torch.autograd.grad((y, ro), (xs, rs), (dy, dro))
-    assert gx is gr
-    # Against the reference's graph: s = x + r, the same bits.
-    xe, re_ = x.clone().requires_grad_(), r.clone().requires_grad_()
-    s = xe.float() + re_.float()
-    want, = torch.autograd.grad((rms_norm_ref(s, w).to(x.dtype), s.to(x.dtype)), (xe,), (dy, dro))
-    assert max_ulp(gx, want) <= 1
-    y, ro = dsnorm.fused_add_rms_norm(xs, rs, w)
-    torch.autograd.backward((y, ro), (dy, dro))
-    assert bits_equal(xs.grad, gx) and bits_equal(rs.grad, gx)
-    assert xs.grad.data_ptr() != rs.grad.data_ptr()
-    xs.grad.zero_()  # an optimiser's in-place update of one .grad leaves the other alone
-    assert bits_equal(rs.grad, gx)
-    # x and residual from one tensor h (h feeds both): h's gradient is the two paths' sum.
-    h = x.clone().requires_grad_()
-    y, ro = dsnorm.fused_add_rms_norm(h * 2, h, w)
-    torch.autograd.backward((y, ro), (dy, dro))
-    he = x.clone().requires_grad_()
-    s = (he * 2).float() + he.float()
-    torch.autograd.backward((rms_norm_ref(s, w).to(x.dtype), s.to(x.dtype)), (dy, dro))
-    assert max_ulp(h.grad, he.grad) <= 1
-    # Only one of the two needs a gradient.
-    for needs in ("x", "residual"):
-        a, b = x.clone().requires_grad_(needs == "x"), r.clone().requires_grad_(needs == "residual")
-        y, ro = dsnorm.fused_add_rms_norm(a, b, w)
-        g, = torch.autograd.grad((y, ro), (a if needs == "x" else b,), (dy, dro))
-        assert bits_equal(g, gx)
+def test_residual_gradient_written_once_only_along_a_chain_of_fused_norms():
+    # The gradient of x + residual is one tensor for both inputs. Where the residual is another
+    # fused norm's residual_out (a chain of blocks) it is written once and handed to both: that
+    # norm's backward only reads it. The gradients reaching the leaves are the same bits as when
+    # both are written.
+    a, b, c = (_rand((5, 96), torch.bfloat16, s) for s in (60, 61, 62))
+    w = _rand((96,), torch.float32, 63)
+    dy, dro = _rand((5, 96), torch.bfloat16, 64), _rand((5, 96), torch.bfloat16, 65)
+
+    def chain(link):
+        xs = [t.clone().requires_grad_() for t in (a, b, c)]
+        y1, r1 = dsnorm.fused_add_rms_norm(xs[0], xs[1], w)
+        y2, r2 = dsnorm.fused_add_rms_norm(xs[2], link(r1), w)
+        torch.autograd.backward((y1, y2, r2), (dy, dy, dro))
+        return [t.grad for t in xs]
+
+    shared = chain(lambda r1: r1)
+    apart = chain(lambda r1: r1.clone())  # a residual made by another op: both written
+    assert all(bits_equal(g, h) for g, h in zip(shared, apart))
+    y1, r1 = dsnorm.fused_add_rms_norm(a.clone().requires_grad_(), b.clone().requires_grad_(), w)
+    cs = c.clone().requires_grad_()
+    y2, r2 = dsnorm.fused_add_rms_norm(cs, r1, w)
+    gc, gr1 = torch.autograd.grad((y2, r2), (cs, r1), (dy, dro))
+    assert gc is gr1
+    # Against the reference's graph: s = c + r1, the same gradient within an ulp.
+    ce, re_ = c.clone().requires_grad_(), r1.detach().clone().requires_grad_()
+    s = ce.float() + re_.float()
+    want, = torch.autograd.grad((rms_norm_ref(s, w).to(c.dtype), s.to(c.dtype)), (ce,), (dy, dro))
+    assert max_ulp(gc, want) <= 1
+
+
+def test_leaves_get_gradients_of_their_own():
+    # Leaves, directly or through views (the storage a view of one gradient would share between
+    # two .grad tensors survives in-place updates: pytorch#34082), get two gradient tensors:
+    # accumulation over two passes doubles each, and zeroing one leaves the other.
+    n = 64
+    x0, r0 = _rand((6, n), torch.float32, 66), _rand((6, n), torch.float32, 67)
+    w = torch.linspace(0.5, 1.5, n)
+    for view in (lambda t: t, lambda t: t.view(2, 3, n)):
+        x, r = x0.clone().requires_grad_(), r0.clone().requires_grad_()
+
+        def step():
+            y, ro = dsnorm.fused_add_rms_norm(view(x), view(r), w)
+            (y.sum() + (ro * ro).sum()).backward()
+
+        step()
+        once_x, once_r = x.grad.clone(), r.grad.clone()
+        assert bits_equal(once_x, once_r)
+        assert x.grad.untyped_storage().data_ptr() != r.grad.untyped_storage().data_ptr()
+        step()
+        assert bits_equal(x.grad, 2 * once_x) and bits_equal(r.grad, 2 * once_r)
+        x.grad.zero_()
+        assert bits_equal(r.grad, 2 * once_r)
+        gx, gr = torch.autograd.grad(dsnorm.fused_add_rms_norm(view(x), view(r), w)[1].sum(), (x, r))
+        assert gx is not gr and bits_equal(gx, gr)
+
+
+def test_saved_tensor_hooks_are_checked_not_trusted():
+    # An unpack hook may hand back other tensors than the forward saved (PyTorch asks for the same
+    # content, nothing enforces it): with saved-tensor hooks active the backward checks them, so
+    # a wrong dtype or shape is refused by name instead of being read as raw memory; hooks that
+    # keep their contract (torch.utils.checkpoint, save_on_cpu) give the usual gradients.
+    x = _rand((4, 64), torch.bfloat16, 68).requires_grad_()
+    r = _rand((4, 64), torch.bfloat16, 69).requires_grad_()
+    w = torch.rand(64) + 0.5
+
+    def grads(unpack, fused):
+        x.grad = r.grad = None
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack):
+            y = dsnorm.fused_add_rms_norm(x, r, w)[0] if fused else dsnorm.rms_norm(x, w)
+        y.backward(torch.ones_like(y))
+        return x.grad
+
+    for fused in (False, True):
+        want = grads(lambda t: t, fused)
+        with torch.autograd.graph.save_on_cpu():
+            y = dsnorm.fused_add_rms_norm(x, r, w)[0] if fused else dsnorm.rms_norm(x, w)
+        x.grad = None
+        y.backward(torch.ones_like(y))
+        assert bits_equal(x.grad, want)
+        with pytest.raises(TypeError, match="must be"):
+            grads(lambda t: t.float(), fused)
+        with pytest.raises(ValueError, match="must have shape"):
+            grads(lambda t: t.reshape(-1) if t.dim() == 2 else t, fused)
 
 
 def test_low_precision_weight_gradient_comes_back_in_its_dtype():
@@ -271,6 +319,19 @@ def test_torch_func_transforms():
     # jacrev (vmap over vjp) against torch.autograd.functional's row-by-row Jacobian of the same fp64 norm
     norm = lambda t: dsnorm.rms_norm(t, m.weight.detach())  # noqa: E731
     assert torch.equal(jacrev(norm)(x[0, 0]), torch.autograd.functional.jacobian(norm, x[0, 0]))
+    # the fused form: jacrev in both inputs, and per-sample gradients (vmap of grad)
+    w = m.weight.detach()
+    fused = lambda a, b: dsnorm.fused_add_rms_norm(a, b, w)  # noqa: E731
+    for out in (0, 1):
+        got = jacrev(lambda a, b: fused(a, b)[out], argnums=(0, 1))(x[0, 0], r[0, 0])
+        want = torch.autograd.functional.jacobian(lambda a, b: fused(a, b)[out], (x[0, 0], r[0, 0]))
+        assert all(torch.equal(g, h) for g, h in zip(got, want))
+    fused_loss = lambda a, b: fused(a, b)[0].pow(2).sum() + fused(a, b)[1].sum()  # noqa: E731
+    per_sample = vmap(grad(fused_loss, argnums=(0, 1)))(x, r)
+    for i in range(x.shape[0]):
+        xi, ri = x[i].clone().requires_grad_(), r[i].clone().requires_grad_()
+        for g, h in zip(per_sample, torch.autograd.grad(fused_loss(xi, ri), (xi, ri))):
+            torch.testing.assert_close(g[i], h, rtol=1e-12, atol=1e-12)
 
 
 def test_leading_dims_record_no_view_nodes():
@@ -323,9 +384,9 @@ def test_unused_outputs_reach_the_backward_as_nothing(monkeypatch):
     seen = []
     real_fused, real_plain = ops.fused_add_rms_norm_bwd_unchecked, ops.rms_norm_bwd_unchecked
 
-    def fused_spy(dy, x, residual, weight, rstd, dresidual_out, round_first):
+    def fused_spy(dy, x, residual, weight, rstd, dresidual_out, *options):
         seen.append(("fused", dresidual_out))
-        return real_fused(dy, x, residual, weight, rstd, dresidual_out, round_first)
+        return real_fused(dy, x, residual, weight, rstd, dresidual_out, *options)
 
     def plain_spy(dy, x, weight, rstd):
         seen.append(("plain", dy))

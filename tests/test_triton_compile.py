@@ -68,7 +68,8 @@ SCRIPT = textwrap.dedent(
         bf16 = torch.bfloat16 in (dtype, rdtype)
         check(compile_launch(kernels.rms_norm_fwd_kernel, args, meta), f"fwd {r}x{n} {dtype} {rdtype}", True, fp, bf16)
         dro = None if rdtype is None else rows(r, n, rdtype, stride)
-        # dresidual is written only for a residual of another dtype (the op's rule: else dx is it).
+        # dresidual written only for a residual of another dtype (along a chain of fused norms
+        # the Functions hand dx to both; the op writes both, HAS_DR on, as in the blocks below).
         dres = None if rdtype in (None, dtype) else rows(r, n, rdtype, stride)
         partials = launch.backward_partials(x, fused=res is not None)
         _, args, meta = launch.backward_params(rows(r, n, dtype, stride), x, res, w, torch.ones(r, dtype=w.dtype), dro, rf,

@@ -399,8 +399,9 @@ def test_multi_block_real_width():
 
 
 def _run_backward(dy, x, r, w, rstd, dro, round_first, write_dr=None):
-    """The launcher's backward; dresidual written as the op asks for it (only for a residual of
-    another dtype than x's: else dx serves both) unless ``write_dr`` says otherwise."""
+    """The launcher's backward; by default dresidual is written only for a residual of another
+    dtype than x's (as along a chain of fused norms, where dx serves both), else as ``write_dr``
+    says."""
     if write_dr is None:
         write_dr = r is not None and r.dtype != x.dtype
     dx = torch.empty(x.shape, dtype=x.dtype)

@@ -74,11 +74,19 @@ def _first_order_only(what: str, grads: tuple, depends_on: tuple) -> tuple:
 # norm's); the kernels then also read those zeros back (one [rows, n] stream more).
 
 
+# In plain eager code the backwards call the kernels without the backward ops' checks (see
+# ops.rms_norm_bwd_unchecked): unless saved-tensor hooks were active when the forward saved its
+# tensors (torch.utils.checkpoint, save_on_cpu, user hooks), whose unpack could hand back other
+# tensors; then the saved tensors are checked again. Under torch.compile the backward is the op's.
+_saved_tensor_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+
+
 def _plain_setup(ctx, inputs, output):
     x, weight, _, _ = inputs
     ctx.save_for_backward(x, weight, output[1])
     ctx.mark_non_differentiable(output[1])
     ctx.set_materialize_grads(False)
+    ctx.saved_unhooked = not _is_compiling() and _saved_tensor_hooks(False) is None
 
 
 def _plain_backward(what, ctx, dy_in):
@@ -86,10 +94,21 @@ def _plain_backward(what, ctx, dy_in):
     with torch.no_grad():
         dy = torch.zeros_like(x) if dy_in is None else dy_in.contiguous()
         if _direct(dy, x, weight, rstd):
+            if not ctx.saved_unhooked:
+                ops.check_backward(dy, x, weight, rstd)
             dx, dweight = ops.rms_norm_bwd_unchecked(dy, x, weight, rstd)
         else:
             dx, dweight = _bwd(dy, x, weight, rstd)
     return (*_first_order_only(what, (dx, dweight), (dy_in, x, weight)), None, None)
+
+
+# The gradient of s = x + residual is one tensor for both inputs. It is written once and handed to
+# both (one [rows, n] stream less for the kernels) only where the residual is another fused
+# norm's residual_out, as in every block of DeepSeek's model but the first: its gradient then
+# goes into that norm's backward, which reads it and lets it go, so no two tensors a user can
+# reach share memory. Anywhere else both are written: autograd can store two views of one
+# gradient as two leaves' .grad, which in-place updates (accumulation, clipping, zero_) then
+# corrupt (pytorch#34082; PyTorch's own x + residual is subject to it).
 
 
 def _fused_setup(ctx, inputs, output):
@@ -98,6 +117,11 @@ def _fused_setup(ctx, inputs, output):
     ctx.mark_non_differentiable(output[2])
     ctx.set_materialize_grads(False)
     ctx.residual_rounding = residual_rounding
+    if _is_compiling():  # dynamo traces neither probe; the compiled backward calls the op
+        ctx.saved_unhooked = ctx.share_dresidual = False
+    else:
+        ctx.saved_unhooked = _saved_tensor_hooks(False) is None
+        ctx.share_dresidual = residual.dtype == x.dtype and type(residual.grad_fn) is _FUSED_NODE
 
 
 def _fused_backward(what, ctx, dy, dresidual_out):
@@ -109,15 +133,15 @@ def _fused_backward(what, ctx, dy, dresidual_out):
         dy = dy.contiguous()
         dro = None if dresidual_out is None else dresidual_out.contiguous()
         if _direct(dy, x, residual, weight, rstd, *(() if dro is None else (dro,))):
+            if not ctx.saved_unhooked:
+                ops.check_backward(dy, x, weight, rstd, residual, dro)
             dx, dresidual, dweight = ops.fused_add_rms_norm_bwd_unchecked(
-                dy, x, residual, weight, rstd, dro, ctx.residual_rounding == "round_first")
+                dy, x, residual, weight, rstd, dro, ctx.residual_rounding == "round_first",
+                not ctx.share_dresidual)
+            if dresidual is None:
+                dresidual = dx
         else:
             dx, dresidual, dweight = _fused_bwd(dy, x, residual, weight, rstd, dro, ctx.residual_rounding)
-        if dresidual is None:
-            # residual in x's dtype: its gradient is dx's bits, returned as one tensor for both as
-            # autograd's addition does (the op writes it once; autograd clones where two leaves
-            # would otherwise share a .grad).
-            dresidual = dx
     return (*_first_order_only(what, (dx, dresidual, dweight), incoming), None, None, None, None)
 
 
@@ -154,6 +178,9 @@ class FusedAddRMSNormFunction(torch.autograd.Function):
     def backward(ctx, dy, dresidual_out, _drstd):
         return _fused_backward("fused_add_rms_norm", ctx, dy, dresidual_out)
 
+
+# The autograd node of a FusedAddRMSNormFunction output (see _fused_setup).
+_FUSED_NODE = FusedAddRMSNormFunction._backward_cls
 
 # torch.jit.trace: the forward ops carry their own autograd formula (the same), and while tracing
 # the functions call them whether or not a gradient is needed. The Functions above would record a
@@ -325,9 +352,9 @@ def fused_add_rms_norm(
         ``(y, residual_out)``: ``y`` in ``x.dtype``; ``residual_out = s`` in ``residual_dtype``
         (``x.dtype`` by default), both fresh contiguous ``[..., n]`` tensors.
 
-    Gradients: those of ``x`` and ``residual`` (the gradient of ``s``) are one tensor when the
-    residual has ``x.dtype``, written once and handed to both, as PyTorch's ``x + residual`` does
-    (autograd clones it where two leaves would share a ``.grad``).
+    Gradients: those of ``x`` and ``residual`` (both the gradient of ``s``) are one tensor, written
+    once, where the residual is another fused norm's ``residual_out`` in ``x.dtype`` (a chain of
+    blocks); elsewhere two tensors.
     """
     lane = None if _is_compiling() else ops.lane
     if lane is not None:

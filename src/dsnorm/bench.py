@@ -171,9 +171,8 @@ def case_bytes(case: Case, dtype: torch.dtype = DTYPE) -> int:
     * in-place: the same four streams (``y`` and the new residual overwrite the inputs): ``4T + W``;
     * forward + backward (``--backward``), plain: forward ``2T``, backward reads ``dy`` and ``x``
       and writes ``dx``: ``5T + 2W`` (gains read, dweight written); fused: forward ``4T``, backward
-      reads ``dy``, ``dresidual_out``, ``x``, ``residual`` and writes ``dx``, which is also
-      ``dresidual`` (the gradient of ``x + residual`` is one tensor, as for autograd's addition):
-      ``9T + 2W``.
+      reads ``dy``, ``dresidual_out``, ``x``, ``residual`` and writes ``dx`` and ``dresidual``:
+      ``10T + 2W``.
 
     It counts what a one-pass kernel cannot avoid, not what a provider actually moves (the eager
     reference makes several fp32 passes), so GB/s compares providers by useful work done.
@@ -181,7 +180,7 @@ def case_bytes(case: Case, dtype: torch.dtype = DTYPE) -> int:
     t = case.numel * dtype.itemsize
     w = case.width * 4
     if case.backward:
-        return (5 * t + 2 * w) if case.form == "plain" else (9 * t + 2 * w)
+        return (5 * t + 2 * w) if case.form == "plain" else (10 * t + 2 * w)
     return (2 * t + w) if case.form == "plain" else (4 * t + w)
 
 
@@ -409,16 +408,11 @@ def _module_runner(name, role, module, case, inp, gains="fp32", note="") -> Runn
 
 
 def _backward_runner(name, role, module, case, inp) -> Runner:
-    """Forward + backward through autograd: fresh leaves each call, their gradients returned.
-
-    ``torch.autograd.grad`` hands the gradients back as they flow on, in a model, to the layers
-    that made x and the residual (which are never leaves there), rather than storing them in
-    leaves' ``.grad``: two leaves given one gradient tensor (the fused form's gradient of
-    ``x + residual``, which dsnorm writes once, as autograd's own addition does) make autograd
-    clone it, a pass no model pays."""
+    """Forward + backward through autograd: fresh leaves each call, weight gradient cleared."""
     fused = case.form != "plain"
 
     def args():
+        module.weight.grad = None
         x = inp.x.detach().requires_grad_(True)
         r = inp.residual.detach().requires_grad_(True) if fused else None
         return (x, r)
@@ -426,19 +420,19 @@ def _backward_runner(name, role, module, case, inp) -> Runner:
     def step(x, r):
         if fused:
             y, ro = module(x, r)
-            dx, _, dw = torch.autograd.grad((y, ro), (x, r, module.weight), (inp.dy, inp.dres))
-            return y, ro, dx, dw
+            torch.autograd.backward((y, ro), (inp.dy, inp.dres))
+            return y, ro
         y = module(x)
-        dx, dw = torch.autograd.grad(y, (x, module.weight), inp.dy)
-        return y, None, dx, dw
+        y.backward(inp.dy)
+        return y, None
 
     state = {}
 
     def outputs():
         x, r = args()
         with torch.enable_grad():
-            y, ro, dx, dw = step(x, r)
-        state["grads"] = (dx, dw)
+            y, ro = step(x, r)
+        state["grads"] = (x.grad, module.weight.grad)
         return y.detach(), None if ro is None else ro.detach()
 
     def grads():

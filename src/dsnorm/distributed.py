@@ -199,8 +199,6 @@ def _strategy(op_name: str, op_schema):
         costs.append(generate_redistribute_costs(arg, want))
 
     outs = tuple(DTensorSpec(mesh, placed(role)) for role in out_roles)
-    if op_name == "fused_add_rms_norm_bwd" and specs[2].tensor_meta.dtype == x_spec.tensor_meta.dtype:
-        outs = (outs[0], None, outs[2])  # no dresidual: it would be dx's bits (see dsnorm.ops)
     output_specs = None if not outs else outs[0] if len(outs) == 1 else outs
     return OpStrategy([OpSpec(output_specs=output_specs, input_specs=input_specs, redistribute_cost=costs)])
 

@@ -11,9 +11,7 @@ Ops (``torch.ops.dsnorm.*``):
 * ``fused_add_rms_norm_(x!, residual!, weight, eps, cast, residual_rounding) -> ()`` (in place)
 * ``rms_norm_bwd(dy, x, weight, rstd) -> (dx, dweight)``
 * ``fused_add_rms_norm_bwd(dy, x, residual, weight, rstd, dresidual_out, residual_rounding)
-  -> (dx, dresidual, dweight)``; ``dresidual`` is None when ``residual`` has x's dtype: the
-  gradient of ``x + residual`` is then the same tensor for both (the caller uses ``dx``, as
-  autograd's own addition does), and writing it twice would be one ``[rows, n]`` stream more
+  -> (dx, dresidual, dweight)``
 
 Every op takes tensors of any leading shape and a unit-stride last dimension (other inputs are
 copied once); ``weight`` is already in the compute dtype (fp32, fp64 for fp64 ``x``): the
@@ -56,7 +54,7 @@ lib.define(
 lib.define("rms_norm_bwd(Tensor dy, Tensor x, Tensor weight, Tensor rstd) -> (Tensor, Tensor)")
 lib.define(
     "fused_add_rms_norm_bwd(Tensor dy, Tensor x, Tensor residual, Tensor weight, Tensor rstd, "
-    "Tensor? dresidual_out, str residual_rounding) -> (Tensor, Tensor?, Tensor)"
+    "Tensor? dresidual_out, str residual_rounding) -> (Tensor, Tensor, Tensor)"
 )
 
 
@@ -539,7 +537,8 @@ def fused_add_rms_norm_bwd(dy, x, residual, weight, rstd, dresidual_out, residua
 
 
 # The backward ops' bodies without their checks, for the autograd Functions' direct calls: the
-# saved tensors passed the forward op's checks, and autograd hands in output gradients of the
+# saved tensors passed the forward op's checks (the Functions check them again where
+# saved-tensor hooks could have replaced them), and autograd hands in output gradients of the
 # outputs' shape, dtype and device (it casts a gradient of another dtype, refuses another shape
 # or device). The checks cost ~4 us a fused call on the CI machine, ~5x that on a GPU host.
 
@@ -554,13 +553,16 @@ def rms_norm_bwd_unchecked(dy, x, weight, rstd):
     return dx, dweight
 
 
-def fused_add_rms_norm_bwd_unchecked(dy, x, residual, weight, rstd, dresidual_out, round_first: bool):
+def fused_add_rms_norm_bwd_unchecked(dy, x, residual, weight, rstd, dresidual_out, round_first: bool,
+                                     write_dresidual: bool = True):
+    """``write_dresidual=False`` (a residual in x's dtype only): dresidual comes back None, its
+    values being dx's, and the kernels write one ``[rows, n]`` stream less."""
     rstd = rstd.contiguous()  # the kernels read it as one value per row, unit stride
     x = readable_rows(x)
     residual = readable_rows(residual)
     launcher = _launcher(x)
     dx = launcher.empty_output(x, x.dtype)
-    dresidual = None if residual.dtype == x.dtype else launcher.empty_output(residual, residual.dtype)
+    dresidual = launcher.empty_output(residual, residual.dtype) if write_dresidual else None
     dweight = torch.empty_like(weight)
     launcher.backward(
         readable_rows(dy), x, residual, weight, rstd,
@@ -686,6 +688,6 @@ def _fused_bwd_fake(dy, x, residual, weight, rstd, dresidual_out, residual_round
     check_backward(dy, x, weight, rstd, residual, dresidual_out)
     return (
         torch.empty_like(x, memory_format=torch.contiguous_format),
-        None if residual.dtype == x.dtype else torch.empty_like(residual, memory_format=torch.contiguous_format),
+        torch.empty_like(residual, memory_format=torch.contiguous_format),
         torch.empty_like(weight),
     )
