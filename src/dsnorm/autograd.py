@@ -105,10 +105,11 @@ def _plain_backward(what, ctx, dy_in):
 # The gradient of s = x + residual is one tensor for both inputs. It is written once and handed to
 # both (one [rows, n] stream less for the kernels) only where the residual is another fused
 # norm's residual_out, as in every block of DeepSeek's model but the first: its gradient then
-# goes into that norm's backward, which reads it and lets it go, so no two tensors a user can
-# reach share memory. Anywhere else both are written: autograd can store two views of one
-# gradient as two leaves' .grad, which in-place updates (accumulation, clipping, zero_) then
-# corrupt (pytorch#34082; PyTorch's own x + residual is subject to it).
+# goes into that norm's backward, which reads it and lets it go, so no two .grad tensors share
+# memory (retain_grad copies; autograd.grad asked for both inputs, or a hook on the residual, sees
+# the one tensor, as for PyTorch's own addition). Anywhere else both are written: autograd can
+# store two views of one gradient as two leaves' .grad, which in-place updates (accumulation,
+# clipping, zero_) then corrupt (pytorch#34082; PyTorch's own x + residual is subject to it).
 
 
 def _fused_setup(ctx, inputs, output):
