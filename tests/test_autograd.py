@@ -334,6 +334,20 @@ def test_torch_func_transforms():
             torch.testing.assert_close(g[i], h, rtol=1e-12, atol=1e-12)
 
 
+def test_batched_output_gradients():
+    # torch.autograd.grad(..., is_grads_batched=True), which jacobian(vectorize=True) uses, hands
+    # the backward storage-less batched gradients: they take the op (its batching fallback), not
+    # the kernels ("Cannot access data pointer" before).
+    x, r = _rand((3, 16), seed=42), _rand((3, 16), seed=43)
+    w = _rand((16,), seed=44).abs() + 0.5
+    jac = torch.autograd.functional.jacobian
+    plain = lambda a: dsnorm.rms_norm(a, w)  # noqa: E731
+    assert torch.equal(jac(plain, x, vectorize=True), jac(plain, x))
+    fused = lambda a, b: dsnorm.fused_add_rms_norm(a, b, w)  # noqa: E731
+    for got, want in zip(jac(fused, (x, r), vectorize=True), jac(fused, (x, r))):
+        assert all(torch.equal(g, h) for g, h in zip(got, want))
+
+
 def test_leading_dims_record_no_view_nodes():
     # A [batch, seq, n] call goes into the autograd Function in its own shape: no flattening view is
     # recorded (each was a graph node: ~18 us of a ~87 us training step on the CI machine), and the

@@ -89,11 +89,17 @@ def _plain_setup(ctx, inputs, output):
     ctx.saved_unhooked = not _is_compiling() and _saved_tensor_hooks(False) is None
 
 
+# Output gradients batched by torch.autograd.grad(..., is_grads_batched=True) (legacy vmap, which
+# torch.autograd.functional.jacobian(vectorize=True) uses) have no storage: they take the op,
+# whose legacy batching fallback runs it per sample. Only output gradients can be such tensors.
+_legacy_batched = torch._C._functorch.is_legacy_batchedtensor
+
+
 def _plain_backward(what, ctx, dy_in):
     x, weight, rstd = ctx.saved_tensors
     with torch.no_grad():
         dy = torch.zeros_like(x) if dy_in is None else dy_in.contiguous()
-        if _direct(dy, x, weight, rstd):
+        if not _legacy_batched(dy) and _direct(dy, x, weight, rstd):
             if not ctx.saved_unhooked:
                 ops.check_backward(dy, x, weight, rstd)
             dx, dweight = ops.rms_norm_bwd_unchecked(dy, x, weight, rstd)
@@ -133,7 +139,8 @@ def _fused_backward(what, ctx, dy, dresidual_out):
             dy = torch.zeros_like(x)
         dy = dy.contiguous()
         dro = None if dresidual_out is None else dresidual_out.contiguous()
-        if _direct(dy, x, residual, weight, rstd, *(() if dro is None else (dro,))):
+        if (not (_legacy_batched(dy) or (dro is not None and _legacy_batched(dro)))
+                and _direct(dy, x, residual, weight, rstd, *(() if dro is None else (dro,)))):
             if not ctx.saved_unhooked:
                 ops.check_backward(dy, x, weight, rstd, residual, dro)
             dx, dresidual, dweight = ops.fused_add_rms_norm_bwd_unchecked(
