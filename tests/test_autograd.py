@@ -166,6 +166,33 @@ def test_saved_tensor_hooks_are_checked_not_trusted():
             grads(lambda t: t.reshape(-1) if t.dim() == 2 else t, fused)
 
 
+def test_saved_tensors_swapped_after_the_forward_are_refused_by_name():
+    # After the forward, a saved input can become another tensor without a version bump (.data
+    # reassigned) or through a hook on one saved tensor: refused by name before any kernel reads
+    # or writes it (the unchecked call wrote a dresidual sized from the swapped residual).
+    w = torch.rand(64) + 0.5
+    x0, r0, c0 = (_rand((4, 64), torch.float32, s) for s in (75, 76, 77))
+    x, r = x0.clone().requires_grad_(), r0.clone().requires_grad_()
+    y, _ = dsnorm.fused_add_rms_norm(x, r, w)
+    r.data = torch.full((4, 8), 1e30)
+    with pytest.raises(ValueError, match="residual must have"):
+        torch.autograd.grad(y, (x, r), torch.ones_like(y))
+    # along a chain (the residual's gradient shared): a saved residual of fewer rows
+    a, b, c = x0.clone().requires_grad_(), r0.clone().requires_grad_(), c0.clone().requires_grad_()
+    _, r1 = dsnorm.fused_add_rms_norm(a, b, w)
+    y2, _ = dsnorm.fused_add_rms_norm(c, r1, w)
+    y2.grad_fn._raw_saved_tensors[1].register_hooks(lambda t: None, lambda _: torch.ones(2, 64))
+    with pytest.raises(ValueError, match="residual must have"):
+        torch.autograd.grad(y2, (c,), torch.ones_like(y2))
+    # the plain form: a saved weight cut short
+    x = x0.clone().requires_grad_()
+    wg = w.clone().requires_grad_()
+    y = dsnorm.rms_norm(x, wg)
+    wg.data = torch.ones(8)
+    with pytest.raises(ValueError, match="weight must have shape"):
+        torch.autograd.grad(y, (x,), torch.ones_like(y))
+
+
 def test_low_precision_weight_gradient_comes_back_in_its_dtype():
     x = _rand((4, 64), torch.float32, 19)
     w = _rand((64,), torch.bfloat16, 20).requires_grad_()

@@ -75,10 +75,20 @@ def _first_order_only(what: str, grads: tuple, depends_on: tuple) -> tuple:
 
 
 # In plain eager code the backwards call the kernels without the backward ops' checks (see
-# ops.rms_norm_bwd_unchecked): unless saved-tensor hooks were active when the forward saved its
-# tensors (torch.utils.checkpoint, save_on_cpu, user hooks), whose unpack could hand back other
-# tensors; then the saved tensors are checked again. Under torch.compile the backward is the op's.
-_saved_tensor_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+# ops.rms_norm_bwd_unchecked; ~4 us a fused call on the CI machine). The saved tensors passed
+# the forward's checks, but can be other tensors by now: a saved-tensor hook's unpack, or an
+# input's .data reassigned (which bumps no version). A comparison of their shapes, dtypes and
+# devices with dy's (which autograd has matched to y) is kept; on a mismatch the op's checks
+# name it. Under torch.compile the backward is the op's.
+
+
+def _saved_match(dy, x, weight, rstd, residual=None) -> bool:
+    shape, device = dy.shape, dy.get_device()
+    return (x.shape == shape and x.dtype == dy.dtype and weight.shape == shape[-1:] and rstd.shape == shape[:-1]
+            and weight.dtype == rstd.dtype == compute_dtype(x.dtype)
+            and x.get_device() == weight.get_device() == rstd.get_device() == device
+            and (residual is None or (residual.shape == shape and residual.get_device() == device
+                                      and residual.dtype in (x.dtype, torch.float32))))
 
 
 def _plain_setup(ctx, inputs, output):
@@ -86,12 +96,12 @@ def _plain_setup(ctx, inputs, output):
     ctx.save_for_backward(x, weight, output[1])
     ctx.mark_non_differentiable(output[1])
     ctx.set_materialize_grads(False)
-    ctx.saved_unhooked = not _is_compiling() and _saved_tensor_hooks(False) is None
 
 
 # Output gradients batched by torch.autograd.grad(..., is_grads_batched=True) (legacy vmap, which
 # torch.autograd.functional.jacobian(vectorize=True) uses) have no storage: they take the op,
 # whose legacy batching fallback runs it per sample. Only output gradients can be such tensors.
+# (Probed after _direct, which is False while dynamo traces: dynamo cannot trace the probe.)
 _legacy_batched = torch._C._functorch.is_legacy_batchedtensor
 
 
@@ -99,8 +109,8 @@ def _plain_backward(what, ctx, dy_in):
     x, weight, rstd = ctx.saved_tensors
     with torch.no_grad():
         dy = torch.zeros_like(x) if dy_in is None else dy_in.contiguous()
-        if not _legacy_batched(dy) and _direct(dy, x, weight, rstd):
-            if not ctx.saved_unhooked:
+        if _direct(dy, x, weight, rstd) and not _legacy_batched(dy):
+            if not _saved_match(dy, x, weight, rstd):
                 ops.check_backward(dy, x, weight, rstd)
             dx, dweight = ops.rms_norm_bwd_unchecked(dy, x, weight, rstd)
         else:
@@ -110,7 +120,7 @@ def _plain_backward(what, ctx, dy_in):
 
 # The gradient of s = x + residual is one tensor for both inputs. It is written once and handed to
 # both (one [rows, n] stream less for the kernels) only where the residual is another fused
-# norm's residual_out, as in every block of DeepSeek's model but the first: its gradient then
+# norm's residual_out (or y), as in every block of DeepSeek's model but the first: its gradient then
 # goes into that norm's backward, which reads it and lets it go, so no two .grad tensors share
 # memory (retain_grad copies; autograd.grad asked for both inputs, or a hook on the residual, sees
 # the one tensor, as for PyTorch's own addition). Anywhere else both are written: autograd can
@@ -124,11 +134,9 @@ def _fused_setup(ctx, inputs, output):
     ctx.mark_non_differentiable(output[2])
     ctx.set_materialize_grads(False)
     ctx.residual_rounding = residual_rounding
-    if _is_compiling():  # dynamo traces neither probe; the compiled backward calls the op
-        ctx.saved_unhooked = ctx.share_dresidual = False
-    else:
-        ctx.saved_unhooked = _saved_tensor_hooks(False) is None
-        ctx.share_dresidual = residual.dtype == x.dtype and type(residual.grad_fn) is _FUSED_NODE
+    # (Dynamo would not trace the probe; the compiled backward calls the op.)
+    ctx.share_dresidual = (not _is_compiling() and residual.dtype == x.dtype
+                           and type(residual.grad_fn) is _FUSED_NODE)
 
 
 def _fused_backward(what, ctx, dy, dresidual_out):
@@ -139,9 +147,9 @@ def _fused_backward(what, ctx, dy, dresidual_out):
             dy = torch.zeros_like(x)
         dy = dy.contiguous()
         dro = None if dresidual_out is None else dresidual_out.contiguous()
-        if (not (_legacy_batched(dy) or (dro is not None and _legacy_batched(dro)))
-                and _direct(dy, x, residual, weight, rstd, *(() if dro is None else (dro,)))):
-            if not ctx.saved_unhooked:
+        if (_direct(dy, x, residual, weight, rstd, *(() if dro is None else (dro,)))
+                and not (_legacy_batched(dy) or (dro is not None and _legacy_batched(dro)))):
+            if not _saved_match(dy, x, weight, rstd, residual):
                 ops.check_backward(dy, x, weight, rstd, residual, dro)
             dx, dresidual, dweight = ops.fused_add_rms_norm_bwd_unchecked(
                 dy, x, residual, weight, rstd, dro, ctx.residual_rounding == "round_first",
@@ -361,8 +369,8 @@ def fused_add_rms_norm(
         (``x.dtype`` by default), both fresh contiguous ``[..., n]`` tensors.
 
     Gradients: those of ``x`` and ``residual`` (both the gradient of ``s``) are one tensor, written
-    once, where the residual is another fused norm's ``residual_out`` in ``x.dtype`` (a chain of
-    blocks); elsewhere two tensors.
+    once, in eager code where the residual is an output of another fused norm (its
+    ``residual_out``, in a chain of blocks) in ``x.dtype``; elsewhere two tensors.
     """
     lane = None if _is_compiling() else ops.lane
     if lane is not None:

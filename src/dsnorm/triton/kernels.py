@@ -274,8 +274,8 @@ def rms_norm_bwd_kernel(
     SINGLE_BLOCK: tl.constexpr,  # n <= BLOCK_N: one pass per row, dweight partial in registers
     HAS_RESIDUAL: tl.constexpr,  # the forward was the fused form
     HAS_DRO: tl.constexpr,  # residual_out received a gradient: ds += d residual_out
-    HAS_DR: tl.constexpr,  # write DR: only for a residual of another dtype than x's (the gradient of
-    # x + residual is one tensor for both, which the caller takes from DX: one [rows, n] stream less)
+    HAS_DR: tl.constexpr,  # write DR; off where the caller hands DX to both inputs (the gradient of
+    # x + residual is one tensor: along a chain of fused norms), one [rows, n] stream less
     ROUND_FIRST: tl.constexpr,  # the forward normalised s rounded to x's dtype
     PREFETCH: tl.constexpr,  # single block: load the next row's x, residual, dy before this row's
     # reduction, so that a program (one or two resident per SM at these widths) keeps loads in flight
