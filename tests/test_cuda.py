@@ -309,6 +309,35 @@ def test_backward_of_an_fp32_residual_stream():
         _assert_grad_close(dr, ds64, float(ds64.abs().max()))
 
 
+def test_chain_of_fused_norms_shares_the_residual_gradient(monkeypatch):
+    # Along a chain (the residual is the previous fused norm's residual_out) the backward kernel
+    # writes no dresidual (HAS_DR off) and dx serves both: the leaves' gradients are the bits of
+    # the same chain with sharing off, and the shared gradient is one tensor.
+    from dsnorm import autograd
+
+    gen = torch.Generator().manual_seed(41)
+    for rows, n in ((3, 111), (64, 7168), (2, 9000)):
+        a, b, c = (rows_of(rows, n, torch.bfloat16, gen).cuda() for _ in range(3))
+        w = weight_of(n, gen).cuda()
+        dy, dro = rows_of(rows, n, torch.bfloat16, gen).cuda(), rows_of(rows, n, torch.bfloat16, gen).cuda()
+
+        def chain():
+            xs = [t.clone().requires_grad_() for t in (a, b, c)]
+            y1, r1 = dsnorm.fused_add_rms_norm(xs[0], xs[1], w, EPS)
+            y2, r2 = dsnorm.fused_add_rms_norm(xs[2], r1, w, EPS)
+            gc, gr1 = torch.autograd.grad((y2, r2), (xs[2], r1), (dy, dro), retain_graph=True)
+            torch.autograd.backward((y1, y2, r2), (dy, dy, dro))
+            return gc is gr1, [t.grad for t in xs]
+
+        shared, got = chain()
+        monkeypatch.setattr(autograd, "_FUSED_NODE", None)  # sharing off: both written
+        apart, want = chain()
+        monkeypatch.undo()
+        assert shared and not apart
+        for g, h in zip(got, want):
+            assert_bitwise(g, h)
+
+
 def test_backward_pipelined_plain_and_fp32(monkeypatch):
     # The pipelined backward (BWD_NUM_STAGES, off by default) on the plain norm it is meant for,
     # [2048, 7168] bf16, and on fp32 fused rows, where 4 stages asked for are cut to what
