@@ -51,11 +51,11 @@ step 40 tests.txt python3 -m pip install -q --no-index --no-deps --no-build-isol
 # Should the install fail (it counts as a failed step), the checks still run from the source tree.
 python3 -c "import dsnorm" 2>/dev/null || export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 step 20 tests.txt python3 -c "import dsnorm, torch; print('dsnorm', dsnorm.__version__, 'imported; cuda initialised:', torch.cuda.is_initialized())"
-step 120 tests.txt python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py
+step 140 tests.txt python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py
 step 70 gpu.txt python3 benchmarks/gpu.py --quick --no-compile --json "$OUT/gpu.json"
 step 110 bench.txt python3 -m dsnorm.cli bench --device cuda --json "$OUT/bench.json"
 step 50 bwd.txt python3 -m dsnorm.cli bench --device cuda --backward --cases train --json "$OUT/bwd.json"
-step 120 configs.txt python3 benchmarks/gpu_configs.py
+step 100 configs.txt python3 benchmarks/gpu_configs.py
 step 30 configs.txt python3 benchmarks/gpu_host_profile.py
 echo "steps failed: $failed" | tee -a "$OUT/tests.txt"
 exit "$failed"
