@@ -375,6 +375,23 @@ def test_batched_output_gradients():
         assert all(torch.equal(g, h) for g, h in zip(got, want))
 
 
+def test_sparse_output_gradients():
+    # Autograd passes a sparse gradient of a dense output on as it is; the backward reads it dense.
+    x, r = _rand((3, 16), seed=45), _rand((3, 16), seed=46)
+    w = _rand((16,), seed=47).abs() + 0.5
+    dy, dro = _rand((3, 16), seed=48), _rand((3, 16), seed=49)
+    dy[1] = 0  # a zero row: sparse for real
+
+    def grads(layout):
+        grad = (lambda t: t.to_sparse()) if layout == "sparse" else (lambda t: t)
+        xs, rs = x.clone().requires_grad_(), r.clone().requires_grad_()
+        plain, = torch.autograd.grad(dsnorm.rms_norm(xs, w), (xs,), grad(dy))
+        fused = torch.autograd.grad(dsnorm.fused_add_rms_norm(xs, rs, w), (xs, rs), (grad(dy), grad(dro)))
+        return (plain, *fused)
+
+    assert all(bits_equal(a, b) for a, b in zip(grads("sparse"), grads("dense")))
+
+
 def test_leading_dims_record_no_view_nodes():
     # A [batch, seq, n] call goes into the autograd Function in its own shape: no flattening view is
     # recorded (each was a graph node: ~18 us of a ~87 us training step on the CI machine), and the

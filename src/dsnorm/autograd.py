@@ -105,10 +105,16 @@ def _plain_setup(ctx, inputs, output):
 _legacy_batched = torch._C._functorch.is_legacy_batchedtensor
 
 
+def _dense(grad):
+    """An output gradient as dense rows: autograd also passes on sparse ones (``y.backward(g)``
+    with a sparse ``g``), which the kernels cannot read and ``contiguous()`` refuses."""
+    return grad.contiguous() if grad.layout is torch.strided else grad.to_dense().contiguous()
+
+
 def _plain_backward(what, ctx, dy_in):
     x, weight, rstd = ctx.saved_tensors
     with torch.no_grad():
-        dy = torch.zeros_like(x) if dy_in is None else dy_in.contiguous()
+        dy = torch.zeros_like(x) if dy_in is None else _dense(dy_in)
         if _direct(dy, x, weight, rstd) and not _legacy_batched(dy):
             if not _saved_match(dy, x, weight, rstd):
                 ops.check_backward(dy, x, weight, rstd)
@@ -143,10 +149,8 @@ def _fused_backward(what, ctx, dy, dresidual_out):
     x, residual, weight, rstd = ctx.saved_tensors
     incoming = (dy, dresidual_out, x, residual, weight)
     with torch.no_grad():
-        if dy is None:
-            dy = torch.zeros_like(x)
-        dy = dy.contiguous()
-        dro = None if dresidual_out is None else dresidual_out.contiguous()
+        dy = torch.zeros_like(x) if dy is None else _dense(dy)
+        dro = None if dresidual_out is None else _dense(dresidual_out)
         if (_direct(dy, x, residual, weight, rstd, *(() if dro is None else (dro,)))
                 and not (_legacy_batched(dy) or (dro is not None and _legacy_batched(dro)))):
             if not _saved_match(dy, x, weight, rstd, residual):
