@@ -184,13 +184,24 @@ def test_saved_tensors_swapped_after_the_forward_are_refused_by_name():
     y2.grad_fn._raw_saved_tensors[1].register_hooks(lambda t: None, lambda _: torch.ones(2, 64))
     with pytest.raises(ValueError, match="residual must have"):
         torch.autograd.grad(y2, (c,), torch.ones_like(y2))
-    # the plain form: a saved weight cut short
-    x = x0.clone().requires_grad_()
-    wg = w.clone().requires_grad_()
-    y = dsnorm.rms_norm(x, wg)
-    wg.data = torch.ones(8)
-    with pytest.raises(ValueError, match="weight must have shape"):
-        torch.autograd.grad(y, (x,), torch.ones_like(y))
+    # the plain form: a saved weight cut short, or expanded from one element (read with unit stride)
+    for swapped, error in ((torch.ones(8), "weight must have shape"), (torch.ones(1).expand(64), "weight")):
+        x = x0.clone().requires_grad_()
+        wg = w.clone().requires_grad_()
+        y = dsnorm.rms_norm(x, wg)
+        wg.data = swapped
+        with pytest.raises(ValueError, match=error):
+            torch.autograd.grad(y, (x,), torch.ones_like(y))
+    # no gradient for y (dy is zeros like the saved x): the residual_out gradient's rows are checked
+    # against saved tensors that a hook handed back with more rows
+    def more_rows(t):
+        return t.repeat(4, 1) if t.dim() == 2 else (t.repeat(4) if t.shape == (4,) else t)
+
+    x, r = x0.clone().requires_grad_(), r0.clone().requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, more_rows):
+        _, ro = dsnorm.fused_add_rms_norm(x, r, w)
+    with pytest.raises(ValueError, match="dresidual_out must have shape"):
+        torch.autograd.grad(ro, (x, r), torch.ones_like(ro))
 
 
 def test_low_precision_weight_gradient_comes_back_in_its_dtype():

@@ -303,9 +303,9 @@ def test_backward_of_an_fp32_residual_stream():
         dx, dr = torch.autograd.grad((y, ro), (xg, rg), (dy.cuda(), dres.cuda()))
         assert dx.dtype == torch.bfloat16 and dr.dtype == torch.float32
         assert_bitwise(dx, dr.to(torch.bfloat16))
-        s = x.float() + r
-        ds64, _ = rms_norm_backward_ref(dy, s, w, EPS)
-        ds64 = ds64 + dres.double()
+        s = x.cpu().float() + r.cpu()  # the reference on the CPU, as _assert_grad_close compares there
+        ds64, _ = rms_norm_backward_ref(dy.cpu(), s, w.cpu(), EPS)
+        ds64 = ds64 + dres.cpu().double()
         _assert_grad_close(dr, ds64, float(ds64.abs().max()))
 
 

@@ -82,13 +82,17 @@ def _first_order_only(what: str, grads: tuple, depends_on: tuple) -> tuple:
 # name it. Under torch.compile the backward is the op's.
 
 
-def _saved_match(dy, x, weight, rstd, residual=None) -> bool:
+def _saved_match(dy, x, weight, rstd, residual=None, dro=None) -> bool:
+    """What the kernels rely on of the saved tensors (and of dresidual_out, whose shape follows from
+    dy's only when dy was given: else dy is zeros like the saved x)."""
     shape, device = dy.shape, dy.get_device()
     return (x.shape == shape and x.dtype == dy.dtype and weight.shape == shape[-1:] and rstd.shape == shape[:-1]
-            and weight.dtype == rstd.dtype == compute_dtype(x.dtype)
+            and weight.dtype == rstd.dtype == compute_dtype(x.dtype) and weight.is_contiguous()
             and x.get_device() == weight.get_device() == rstd.get_device() == device
             and (residual is None or (residual.shape == shape and residual.get_device() == device
-                                      and residual.dtype in (x.dtype, torch.float32))))
+                                      and residual.dtype in (x.dtype, torch.float32)))
+            and (dro is None or (dro.shape == shape and dro.get_device() == device
+                                 and dro.dtype in (x.dtype, torch.float32))))
 
 
 def _plain_setup(ctx, inputs, output):
@@ -107,8 +111,11 @@ _legacy_batched = torch._C._functorch.is_legacy_batchedtensor
 
 def _dense(grad):
     """An output gradient as dense rows: autograd also passes on sparse ones (``y.backward(g)``
-    with a sparse ``g``), which the kernels cannot read and ``contiguous()`` refuses."""
-    return grad.contiguous() if grad.layout is torch.strided else grad.to_dense().contiguous()
+    with a sparse ``g``), which the kernels cannot read and ``contiguous()`` refuses. (Dynamo
+    refuses to read ``layout`` in a Function's backward; compiled graphs take the op.)"""
+    if _is_compiling() or grad.layout is torch.strided:
+        return grad.contiguous()
+    return grad.to_dense().contiguous()
 
 
 def _plain_backward(what, ctx, dy_in):
@@ -153,7 +160,7 @@ def _fused_backward(what, ctx, dy, dresidual_out):
         dro = None if dresidual_out is None else _dense(dresidual_out)
         if (_direct(dy, x, residual, weight, rstd, *(() if dro is None else (dro,)))
                 and not (_legacy_batched(dy) or (dro is not None and _legacy_batched(dro)))):
-            if not _saved_match(dy, x, weight, rstd, residual):
+            if not _saved_match(dy, x, weight, rstd, residual, dro):
                 ops.check_backward(dy, x, weight, rstd, residual, dro)
             dx, dresidual, dweight = ops.fused_add_rms_norm_bwd_unchecked(
                 dy, x, residual, weight, rstd, dro, ctx.residual_rounding == "round_first",
