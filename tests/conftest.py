@@ -70,3 +70,27 @@ def threads():
     before = torch.get_num_threads()
     yield
     torch.set_num_threads(before)
+
+
+def assert_chain_shares_the_residual_gradient(monkeypatch, a, b, c, w, dy, dro, eps=1e-6) -> None:
+    """Two fused norms in a chain (the second's residual is the first's residual_out), forward and
+    backward, with dsnorm's sharing of the residual gradient on and then off (both written): on,
+    the second norm hands one tensor to c and to r1; the leaves' gradients are the same bits."""
+    import dsnorm
+    from dsnorm import autograd
+
+    def chain():
+        xs = [t.clone().requires_grad_() for t in (a, b, c)]
+        y1, r1 = dsnorm.fused_add_rms_norm(xs[0], xs[1], w, eps)
+        y2, r2 = dsnorm.fused_add_rms_norm(xs[2], r1, w, eps)
+        gc, gr1 = torch.autograd.grad((y2, r2), (xs[2], r1), (dy, dro), retain_graph=True)
+        torch.autograd.backward((y1, y2, r2), (dy, dy, dro))
+        return gc is gr1, [t.grad for t in xs]
+
+    shared, got = chain()
+    with monkeypatch.context() as patched:
+        patched.setattr(autograd, "_FUSED_NODE", None)
+        apart, want = chain()
+    assert shared and not apart
+    for g, h in zip(got, want):
+        assert bits_equal(g, h)

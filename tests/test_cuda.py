@@ -19,6 +19,8 @@ from dsnorm import fusions
 from dsnorm.fusions import act_quant_ref
 from dsnorm.ref import fused_add_rms_norm_ref, rms_norm_backward_ref, rms_norm_ref
 
+from conftest import assert_chain_shares_the_residual_gradient
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch sees none)")
 
 EPS = 1e-6
@@ -312,30 +314,11 @@ def test_backward_of_an_fp32_residual_stream():
 def test_chain_of_fused_norms_shares_the_residual_gradient(monkeypatch):
     # Along a chain (the residual is the previous fused norm's residual_out) the backward kernel
     # writes no dresidual (HAS_DR off) and dx serves both: the leaves' gradients are the bits of
-    # the same chain with sharing off, and the shared gradient is one tensor.
-    from dsnorm import autograd
-
+    # the same chain with sharing off.
     gen = torch.Generator().manual_seed(41)
     for rows, n in ((3, 111), (64, 7168), (2, 9000)):
-        a, b, c = (rows_of(rows, n, torch.bfloat16, gen).cuda() for _ in range(3))
-        w = weight_of(n, gen).cuda()
-        dy, dro = rows_of(rows, n, torch.bfloat16, gen).cuda(), rows_of(rows, n, torch.bfloat16, gen).cuda()
-
-        def chain():
-            xs = [t.clone().requires_grad_() for t in (a, b, c)]
-            y1, r1 = dsnorm.fused_add_rms_norm(xs[0], xs[1], w, EPS)
-            y2, r2 = dsnorm.fused_add_rms_norm(xs[2], r1, w, EPS)
-            gc, gr1 = torch.autograd.grad((y2, r2), (xs[2], r1), (dy, dro), retain_graph=True)
-            torch.autograd.backward((y1, y2, r2), (dy, dy, dro))
-            return gc is gr1, [t.grad for t in xs]
-
-        shared, got = chain()
-        monkeypatch.setattr(autograd, "_FUSED_NODE", None)  # sharing off: both written
-        apart, want = chain()
-        monkeypatch.undo()
-        assert shared and not apart
-        for g, h in zip(got, want):
-            assert_bitwise(g, h)
+        a, b, c, dy, dro = (rows_of(rows, n, torch.bfloat16, gen) for _ in range(5))
+        assert_chain_shares_the_residual_gradient(monkeypatch, a, b, c, weight_of(n, gen), dy, dro, EPS)
 
 
 def test_backward_pipelined_plain_and_fp32(monkeypatch):

@@ -618,25 +618,10 @@ def test_chain_through_the_triton_launchers(monkeypatch):
     """A chain of two fused norms through autograd on the Triton launchers: the second norm's
     residual is the first's residual_out, so its backward writes no dresidual (HAS_DR off) and hands
     dx to both; the leaves' gradients are the bits of the same chain with sharing off."""
-    from dsnorm import autograd, ops
-    import dsnorm
+    from conftest import assert_chain_shares_the_residual_gradient
+    from dsnorm import ops
 
     monkeypatch.setitem(ops._launchers, "cpu", launch)
     g = torch.Generator().manual_seed(5)
     a, b, c, dy, dro = (torch.randn(2, 3, 96, generator=g).to(torch.bfloat16) for _ in range(5))
-    w = torch.randn(96, generator=g)
-
-    def chain():
-        xs = [t.clone().requires_grad_() for t in (a, b, c)]
-        y1, r1 = dsnorm.fused_add_rms_norm(xs[0], xs[1], w)
-        y2, r2 = dsnorm.fused_add_rms_norm(xs[2], r1, w)
-        gc, gr1 = torch.autograd.grad((y2, r2), (xs[2], r1), (dy, dro), retain_graph=True)
-        torch.autograd.backward((y1, y2, r2), (dy, dy, dro))
-        return gc is gr1, [t.grad for t in xs]
-
-    shared, got = chain()
-    monkeypatch.setattr(autograd, "_FUSED_NODE", None)  # sharing off: both written
-    apart, want = chain()
-    assert shared and not apart
-    for x_, y_ in zip(got, want):
-        assert_bitwise(x_, y_)
+    assert_chain_shares_the_residual_gradient(monkeypatch, a, b, c, torch.randn(96, generator=g), dy, dro)
