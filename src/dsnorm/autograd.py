@@ -77,22 +77,9 @@ def _first_order_only(what: str, grads: tuple, depends_on: tuple) -> tuple:
 # In plain eager code the backwards call the kernels without the backward ops' checks (see
 # ops.rms_norm_bwd_unchecked; ~4 us a fused call on the CI machine). The saved tensors passed
 # the forward's checks, but can be other tensors by now: a saved-tensor hook's unpack, or an
-# input's .data reassigned (which bumps no version). A comparison of their shapes, dtypes and
-# devices with dy's (which autograd has matched to y) is kept; on a mismatch the op's checks
-# name it. Under torch.compile the backward is the op's.
-
-
-def _saved_match(dy, x, weight, rstd, residual=None, dro=None) -> bool:
-    """What the kernels rely on of the saved tensors (and of dresidual_out, whose shape follows from
-    dy's only when dy was given: else dy is zeros like the saved x)."""
-    shape, device = dy.shape, dy.get_device()
-    return (x.shape == shape and x.dtype == dy.dtype and weight.shape == shape[-1:] and rstd.shape == shape[:-1]
-            and weight.dtype == rstd.dtype == compute_dtype(x.dtype) and weight.is_contiguous()
-            and x.get_device() == weight.get_device() == rstd.get_device() == device
-            and (residual is None or (residual.shape == shape and residual.get_device() == device
-                                      and residual.dtype in (x.dtype, torch.float32)))
-            and (dro is None or (dro.shape == shape and dro.get_device() == device
-                                 and dro.dtype in (x.dtype, torch.float32))))
+# input's .data reassigned (which bumps no version). ops.backward_inputs_match compares them with
+# dy (which autograd has matched to y); on a mismatch the op's checks name it. Under
+# torch.compile the backward is the op's.
 
 
 def _plain_setup(ctx, inputs, output):
@@ -123,7 +110,7 @@ def _plain_backward(what, ctx, dy_in):
     with torch.no_grad():
         dy = torch.zeros_like(x) if dy_in is None else _dense(dy_in)
         if _direct(dy, x, weight, rstd) and not _legacy_batched(dy):
-            if not _saved_match(dy, x, weight, rstd):
+            if not ops.backward_inputs_match(dy, x, weight, rstd):
                 ops.check_backward(dy, x, weight, rstd)
             dx, dweight = ops.rms_norm_bwd_unchecked(dy, x, weight, rstd)
         else:
@@ -160,7 +147,7 @@ def _fused_backward(what, ctx, dy, dresidual_out):
         dro = None if dresidual_out is None else _dense(dresidual_out)
         if (_direct(dy, x, residual, weight, rstd, *(() if dro is None else (dro,)))
                 and not (_legacy_batched(dy) or (dro is not None and _legacy_batched(dro)))):
-            if not _saved_match(dy, x, weight, rstd, residual, dro):
+            if not ops.backward_inputs_match(dy, x, weight, rstd, residual, dro):
                 ops.check_backward(dy, x, weight, rstd, residual, dro)
             dx, dresidual, dweight = ops.fused_add_rms_norm_bwd_unchecked(
                 dy, x, residual, weight, rstd, dro, ctx.residual_rounding == "round_first",
