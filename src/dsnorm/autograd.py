@@ -107,15 +107,20 @@ def _dense(grad):
 
 def _plain_backward(what, ctx, dy_in):
     x, weight, rstd = ctx.saved_tensors
+    if not torch.is_grad_enabled():  # a plain backward (no create_graph): nothing to record or fence
+        return (*_plain_grads(dy_in, x, weight, rstd), None, None)
     with torch.no_grad():
-        dy = torch.zeros_like(x) if dy_in is None else _dense(dy_in)
-        if _direct(dy, x, weight, rstd) and not _legacy_batched(dy):
-            if not ops.backward_inputs_match(dy, x, weight, rstd):
-                ops.check_backward(dy, x, weight, rstd)
-            dx, dweight = ops.rms_norm_bwd_unchecked(dy, x, weight, rstd)
-        else:
-            dx, dweight = _bwd(dy, x, weight, rstd)
-    return (*_first_order_only(what, (dx, dweight), (dy_in, x, weight)), None, None)
+        grads = _plain_grads(dy_in, x, weight, rstd)
+    return (*_first_order_only(what, grads, (dy_in, x, weight)), None, None)
+
+
+def _plain_grads(dy_in, x, weight, rstd):
+    dy = torch.zeros_like(x) if dy_in is None else _dense(dy_in)
+    if _direct(dy, x, weight, rstd) and not _legacy_batched(dy):
+        if not ops.backward_inputs_match(dy, x, weight, rstd):
+            ops.check_backward(dy, x, weight, rstd)
+        return ops.rms_norm_bwd_unchecked(dy, x, weight, rstd)
+    return _bwd(dy, x, weight, rstd)
 
 
 # The gradient of s = x + residual is one tensor for both inputs. It is written once and handed to
@@ -141,22 +146,25 @@ def _fused_setup(ctx, inputs, output):
 
 def _fused_backward(what, ctx, dy, dresidual_out):
     x, residual, weight, rstd = ctx.saved_tensors
-    incoming = (dy, dresidual_out, x, residual, weight)
+    if not torch.is_grad_enabled():  # a plain backward (no create_graph): nothing to record or fence
+        return (*_fused_grads(ctx, dy, dresidual_out, x, residual, weight, rstd), None, None, None, None)
     with torch.no_grad():
-        dy = torch.zeros_like(x) if dy is None else _dense(dy)
-        dro = None if dresidual_out is None else _dense(dresidual_out)
-        if (_direct(dy, x, residual, weight, rstd, *(() if dro is None else (dro,)))
-                and not (_legacy_batched(dy) or (dro is not None and _legacy_batched(dro)))):
-            if not ops.backward_inputs_match(dy, x, weight, rstd, residual, dro):
-                ops.check_backward(dy, x, weight, rstd, residual, dro)
-            dx, dresidual, dweight = ops.fused_add_rms_norm_bwd_unchecked(
-                dy, x, residual, weight, rstd, dro, ctx.residual_rounding == "round_first",
-                not ctx.share_dresidual)
-            if dresidual is None:
-                dresidual = dx
-        else:
-            dx, dresidual, dweight = _fused_bwd(dy, x, residual, weight, rstd, dro, ctx.residual_rounding)
-    return (*_first_order_only(what, (dx, dresidual, dweight), incoming), None, None, None, None)
+        grads = _fused_grads(ctx, dy, dresidual_out, x, residual, weight, rstd)
+    incoming = (dy, dresidual_out, x, residual, weight)
+    return (*_first_order_only(what, grads, incoming), None, None, None, None)
+
+
+def _fused_grads(ctx, dy_in, dresidual_out, x, residual, weight, rstd):
+    dy = torch.zeros_like(x) if dy_in is None else _dense(dy_in)
+    dro = None if dresidual_out is None else _dense(dresidual_out)
+    if (_direct(dy, x, residual, weight, rstd, *(() if dro is None else (dro,)))
+            and not (_legacy_batched(dy) or (dro is not None and _legacy_batched(dro)))):
+        if not ops.backward_inputs_match(dy, x, weight, rstd, residual, dro):
+            ops.check_backward(dy, x, weight, rstd, residual, dro)
+        dx, dresidual, dweight = ops.fused_add_rms_norm_bwd_unchecked(
+            dy, x, residual, weight, rstd, dro, ctx.residual_rounding == "round_first", not ctx.share_dresidual)
+        return dx, dx if dresidual is None else dresidual, dweight
+    return _fused_bwd(dy, x, residual, weight, rstd, dro, ctx.residual_rounding)
 
 
 class RMSNormFunction(torch.autograd.Function):
