@@ -941,8 +941,9 @@ def _run_parallel(x64: bool, nthreads: int, rows: int, n: int, *args) -> None:
 
 
 def _scratch(nthreads: int, width: int, dtype, slot: str = "scratch") -> np.ndarray:
-    """This Python thread's ``thread_rows`` scratch, kept between calls of one shape (``slot``: one
-    per kind of call, so that a training step's forward and backward do not evict each other's)."""
+    """This Python thread's ``thread_rows`` scratch, kept between calls of one shape. ``slot``: the
+    backward keeps its own (another width), so that a parallel forward and the backward of one
+    training step do not evict each other's."""
     key = (nthreads, width, dtype)
     cache = getattr(_local, slot, None)
     if cache is None or cache[0] != key:
@@ -1060,6 +1061,14 @@ def dweight_block_rows(rows: int) -> int:
     return max(16, -(-rows // 256))
 
 
+# Small backwards run on the calling thread: a launch on the pool costs ~4-5 us, so two threads pay
+# off once the serial kernel takes ~10 us, about when rows * (n + BWD_ROW_COST) reaches
+# BWD_SERIAL_WORK (a row's own work, its reductions and loads, costs about as much as 128 more
+# elements). Measured on the CI machine, bf16, serial against two threads: [128, 32] 9.2 against
+# 9.4 us, [128, 64] 8.9 / 10.0, [64, 256] 9.2 / 9.9 and [32, 512] 8.9 / 9.6 stay serial; [256, 8]
+# 12.9 / 11.1, [256, 32] 14.5 / 13.5 and [128, 128] 10.9 / 10.7 take two threads.
+BWD_ROW_COST = 128
+BWD_SERIAL_WORK = 1 << 15
 # The serial backward's compiled entry points by compute dtype (as _serial_entry: skips the
 # dispatcher's type resolution of its two arrays and 22 scalars).
 _backward_entry: dict = {}
@@ -1082,9 +1091,8 @@ def backward(dy, x, residual, weight, rstd, dresidual_out, round_first, dx, dres
     np_cdtype = np.float64 if x64 else np.float32
     block_rows = dweight_block_rows(rows)
     nblocks = -(-rows // block_rows)
-    # Small calls stay on this thread, as in the forward (measured, bf16, one thread against two:
-    # [32, 256] 7.1 against 8.0 us, [64, 128] 8.2 against 8.4, [32, 512] 9.7 against 9.4).
-    nthreads = 1 if nblocks == 1 else min(_threads(numel), nblocks)
+    small = rows * (n + BWD_ROW_COST) < BWD_SERIAL_WORK
+    nthreads = 1 if nblocks == 1 or small else min(_threads(max(numel, SERIAL_NUMEL)), nblocks)
     scratch = _scratch(nthreads, 2 * n, np_cdtype, "backward_scratch")
     partials = np.empty((nblocks, n), dtype=np_cdtype)
     args = (
