@@ -737,3 +737,148 @@ def test_fp32_residual_stream_gradient_values():
     ds_ref = ds_ref + dro.double()
     torch.testing.assert_close(rs.grad.double(), ds_ref, rtol=1e-5, atol=1e-5)
     assert max_ulp(xs.grad, ds_ref.to(torch.bfloat16)) <= 1
+
+
+# The training lane (ops.train_lane_plain / train_lane_fused): the forward's common case proved in
+# one expression in place of the argument checks; everything else takes the general path.
+
+
+def _lane_off(monkeypatch):
+    from dsnorm import ops
+
+    monkeypatch.setattr(ops, "train_lane_plain", lambda *a: False)
+    monkeypatch.setattr(ops, "train_lane_fused", lambda *a: False)
+
+
+def _train(x, r, w, **options):
+    """y, residual_out and every gradient of one fused and one plain training call (both outputs
+    used), and whether each call took the lane."""
+    from dsnorm import autograd
+
+    xs, rs, ws = (t.clone().requires_grad_() for t in (x, r, w))
+    y, ro = dsnorm.fused_add_rms_norm(xs, rs, ws, **options)
+    z = dsnorm.rms_norm(xs, ws, cast=options.get("cast", "deepseek"))
+    g = torch.linspace(-1, 1, y.numel()).reshape(y.shape).to(y.dtype)
+    torch.autograd.backward((y, ro, z), (g, g.flip(-1), g))
+    lanes = (type(y.grad_fn) is autograd._FusedLaneFunction._backward_cls,
+             type(z.grad_fn) is autograd._PlainLaneFunction._backward_cls)
+    return (y, ro, z, xs.grad, rs.grad, ws.grad), lanes
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", [(64,), (3, 111), (2, 3, 64)])
+@pytest.mark.parametrize("options", [{}, {"cast": "hf"}, {"residual_rounding": "round_first"}])
+def test_training_lane_gives_the_general_paths_bits(monkeypatch, dtype, shape, options):
+    x, r = _rand(shape, dtype, 80), _rand(shape, dtype, 81)
+    w = _rand(shape[-1:], torch.float64 if dtype == torch.float64 else torch.float32, 82)
+    _train(x, r, w, **options)  # the options are checked once on the general path
+    got, lanes = _train(x, r, w, **options)
+    assert lanes == (True, True)
+    with monkeypatch.context() as patched:
+        _lane_off(patched)
+        want, lanes = _train(x, r, w, **options)
+    assert lanes == (False, False)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and a.shape == b.shape and bits_equal(a.detach(), b.detach())
+
+
+def _raised(call):
+    try:
+        call()
+    except Exception as e:  # noqa: BLE001 (the test compares whatever is raised)
+        return type(e), str(e)
+    return None
+
+
+@pytest.mark.parametrize("case", [
+    "weight length", "weight 2-D", "residual shape", "residual dtype", "x 0-d",
+    "x width 0", "eps 0", "eps nan", "eps -1", "eps str", "eps list", "cast", "rounding", "rounding list",
+    "round_first fp32 stream",
+])
+def test_training_lane_refuses_by_the_general_paths_errors(monkeypatch, case):
+    # Requires-grad arguments the lane must not take: each raises what the general path raises.
+    x, r = _rand((3, 64), torch.bfloat16, 83), _rand((3, 64), torch.bfloat16, 84)
+    w = torch.ones(64)
+    kwargs = {}
+    if case == "weight length":
+        w = torch.ones(63)
+    elif case == "weight 2-D":
+        w = torch.ones(1, 64)
+    elif case == "residual shape":
+        r = r[:2]
+    elif case == "residual dtype":
+        r = r.float()
+    elif case == "x 0-d":
+        x, r = x[0, 0], r[0, 0]
+    elif case == "x width 0":
+        x, r = x[:, :0], r[:, :0]
+    elif case.startswith("eps"):
+        kwargs["eps"] = {"eps 0": 0.0, "eps nan": float("nan"), "eps -1": -1.0, "eps str": "1e-6",
+                         "eps list": [1e-6]}[case]
+    elif case == "cast":
+        kwargs["cast"] = "HF"
+    elif case == "rounding":
+        kwargs["residual_rounding"] = "fp32"
+    elif case == "rounding list":
+        kwargs["residual_rounding"] = ["fp32_sum"]
+    elif case == "round_first fp32 stream":
+        kwargs.update(residual_rounding="round_first", residual_dtype=torch.float32)
+    plain_kwargs = {k: v for k, v in kwargs.items() if k in ("eps", "cast")}
+
+    def calls():
+        xs, rs = x.clone().requires_grad_(), r.clone().requires_grad_()
+        ws = w.clone().requires_grad_()
+        return (_raised(lambda: dsnorm.fused_add_rms_norm(xs, rs, ws, **kwargs)),
+                _raised(lambda: dsnorm.rms_norm(xs, ws, **plain_kwargs)))
+
+    got = calls()
+    with monkeypatch.context() as patched:
+        _lane_off(patched)
+        want = calls()
+    assert got == want
+    assert got[0] is not None  # every case is an error of the fused call
+
+
+def test_training_lane_leaves_other_tensors_to_the_general_path():
+    # Strided rows, a lazily negated view, an inference tensor, a Parameter input, an fp32 residual
+    # stream and a leaf that is a view: the lane takes only plain contiguous tensors of x's dtype.
+    from dsnorm import autograd
+
+    lane_node, general_node = autograd._FusedLaneFunction._backward_cls, autograd.FusedAddRMSNormFunction._backward_cls
+    w = torch.ones(64)
+    base = _rand((3, 80), torch.float32, 85)
+    z = torch.complex(_rand((3, 64), torch.float32, 86), _rand((3, 64), torch.float32, 87))
+    with torch.inference_mode():
+        frozen = _rand((3, 64), torch.float32, 88)
+    r = _rand((3, 64), torch.float32, 89).requires_grad_()
+    cases = {
+        "strided": (base[:, :64].requires_grad_(), r, {}),
+        "negated view": (z.requires_grad_().conj().imag, r, {}),
+        "inference": (frozen, r, {}),
+        "fp32 stream": (_rand((3, 64), torch.bfloat16, 90).requires_grad_(), r, {"residual_dtype": torch.float32}),
+    }
+    for name, (x, res, kwargs) in cases.items():
+        y, ro = dsnorm.fused_add_rms_norm(x, res, w, **kwargs)
+        assert type(y.grad_fn) is general_node, name
+        want_y = rms_norm_ref(x.detach().resolve_neg().float() + res.detach().float(), w).to(x.dtype)
+        assert max_ulp(y.detach(), want_y) <= 1, name
+        (y.float().sum() + ro.float().sum()).backward()
+    p = torch.nn.Parameter(_rand((3, 64), torch.float32, 91))
+    y, _ = dsnorm.fused_add_rms_norm(p, r, w)
+    assert type(y.grad_fn) is lane_node  # a Parameter is a plain tensor
+
+
+def test_chain_shares_the_residual_gradient_between_lane_and_general_nodes():
+    # The first norm takes the general path (strided x), the second the lane: the second's
+    # residual is still recognised as a fused norm's residual_out.
+    from dsnorm import autograd
+
+    w = torch.ones(96)
+    a = _rand((4, 100), torch.float32, 92)[:, :96].requires_grad_()
+    b, c = (_rand((4, 96), torch.float32, s).requires_grad_() for s in (93, 94))
+    y1, r1 = dsnorm.fused_add_rms_norm(a, b, w)
+    y2, r2 = dsnorm.fused_add_rms_norm(c, r1, w)
+    assert type(r1.grad_fn) is autograd.FusedAddRMSNormFunction._backward_cls
+    assert type(r2.grad_fn) is autograd._FusedLaneFunction._backward_cls
+    gc, gr1 = torch.autograd.grad((y2, r2), (c, r1), (torch.ones_like(y2), torch.ones_like(r2)))
+    assert gc is gr1

@@ -19,7 +19,7 @@ from dsnorm import fusions
 from dsnorm.fusions import act_quant_ref
 from dsnorm.ref import fused_add_rms_norm_ref, rms_norm_backward_ref, rms_norm_ref
 
-from conftest import assert_chain_shares_the_residual_gradient
+from conftest import assert_chain_shares_the_residual_gradient, bits_equal
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch sees none)")
 
@@ -319,6 +319,35 @@ def test_chain_of_fused_norms_shares_the_residual_gradient(monkeypatch):
     for rows, n in ((3, 111), (64, 7168), (2, 9000)):
         a, b, c, dy, dro = (rows_of(rows, n, torch.bfloat16, gen) for _ in range(5))
         assert_chain_shares_the_residual_gradient(monkeypatch, a, b, c, weight_of(n, gen), dy, dro, EPS)
+
+
+def test_training_lane_on_cuda(monkeypatch):
+    # The training forward's lane (CUDA tensors on one device) against the general path, which the
+    # lane skips: outputs and gradients of one fused and one plain call, the same bits.
+    from dsnorm import autograd, ops
+
+    gen = torch.Generator().manual_seed(43)
+    x, r, g = (rows_of(64, 7168, torch.bfloat16, gen) for _ in range(3))
+    w = weight_of(7168, gen)
+
+    def train():
+        xs, rs, ws = (t.clone().requires_grad_() for t in (x, r, w))
+        y, ro = dsnorm.fused_add_rms_norm(xs, rs, ws, EPS)
+        z = dsnorm.rms_norm(xs, ws, EPS)
+        torch.autograd.backward((y, ro, z), (g, g.flip(-1), g))
+        lanes = (type(y.grad_fn) is autograd._FusedLaneFunction._backward_cls,
+                 type(z.grad_fn) is autograd._PlainLaneFunction._backward_cls)
+        return [t.detach() for t in (y, ro, z, xs.grad, rs.grad, ws.grad)], lanes
+
+    train()
+    got, lanes = train()
+    assert lanes == (True, True)
+    monkeypatch.setattr(ops, "train_lane_plain", lambda *a: False)
+    monkeypatch.setattr(ops, "train_lane_fused", lambda *a: False)
+    want, lanes = train()
+    assert lanes == (False, False)
+    for a, b in zip(got, want):
+        assert bits_equal(a, b)
 
 
 def test_backward_pipelined_plain_and_fp32(monkeypatch):
