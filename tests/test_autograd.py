@@ -882,3 +882,24 @@ def test_chain_shares_the_residual_gradient_between_lane_and_general_nodes():
     assert type(r2.grad_fn) is autograd._FusedLaneFunction._backward_cls
     gc, gr1 = torch.autograd.grad((y2, r2), (c, r1), (torch.ones_like(y2), torch.ones_like(r2)))
     assert gc is gr1
+
+
+def test_compiled_training_does_not_recompile_after_eager_calls_check_new_options():
+    # The training lane's proof is not traced by dynamo: it reads the cache of accepted options,
+    # which eager calls with new options grow, and a guard on it would recompile (and raise under
+    # the fail_on_recompile stance a server sets after warm-up).
+    torch._dynamo.reset()
+    w = torch.rand(64, generator=torch.Generator().manual_seed(95)) + 0.5
+
+    def step(x, r):
+        y, ro = dsnorm.fused_add_rms_norm(x, r, w)
+        return dsnorm.rms_norm(y, w) + ro
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    x, r = (_rand((4, 64), torch.float32, s).requires_grad_() for s in (96, 97))
+    compiled(x, r).sum().backward()
+    for eps in (3.3e-5, 4.4e-5):  # options no call has checked before: the cache grows
+        dsnorm.fused_add_rms_norm(x, r, w, eps)
+        dsnorm.rms_norm(x, w, eps)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        compiled(x, r).sum().backward()

@@ -348,6 +348,10 @@ _is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 
 
 def train_lane_plain(x, weight, eps, cast) -> bool:
+    # dispatch_free first: while dynamo traces it is False without a guard, and the options cache
+    # must not be read then (a guard on its contents: see check_options).
+    if not dispatch_free():
+        return False
     try:
         if (type(eps), eps, cast, "fp32_sum", None) not in _OPTIONS_OK:  # check_options' own cache
             return False
@@ -356,7 +360,7 @@ def train_lane_plain(x, weight, eps, cast) -> bool:
     tx, tw = type(x), type(weight)
     return (
         (tx is torch.Tensor or tx is _PARAMETER) and (tw is torch.Tensor or tw is _PARAMETER)
-        and dispatch_free() and not _transforms_active()
+        and not _transforms_active()
         and x.layout is _STRIDED and weight.layout is _STRIDED and not x.is_nested and not weight.is_nested
         and _COMPUTE_DTYPE.get(x.dtype) is weight.dtype
         and weight.dim() == 1 and x.dim() >= 1 and x.shape[-1] == weight.shape[0] > 0
@@ -368,7 +372,7 @@ def train_lane_plain(x, weight, eps, cast) -> bool:
 
 
 def train_lane_fused(x, residual, weight, eps, cast, residual_rounding, residual_dtype) -> bool:
-    if residual_dtype is not None:
+    if residual_dtype is not None or not dispatch_free():  # (dispatch_free first: as above)
         return False
     try:
         if (type(eps), eps, cast, residual_rounding, None) not in _OPTIONS_OK:
@@ -379,7 +383,7 @@ def train_lane_fused(x, residual, weight, eps, cast, residual_rounding, residual
     return (
         (tx is torch.Tensor or tx is _PARAMETER) and (tr is torch.Tensor or tr is _PARAMETER)
         and (tw is torch.Tensor or tw is _PARAMETER)
-        and dispatch_free() and not _transforms_active()
+        and not _transforms_active()
         and x.layout is _STRIDED and residual.layout is _STRIDED and weight.layout is _STRIDED
         and not x.is_nested and not residual.is_nested and not weight.is_nested
         and _COMPUTE_DTYPE.get(x.dtype) is weight.dtype and residual.dtype is x.dtype
