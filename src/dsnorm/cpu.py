@@ -792,25 +792,27 @@ def _backward_share(
         )
 
 
+@njit(inline="always")
+def _column_total(partials, j):
+    """Column ``j`` of the partials summed over the blocks in block order."""
+    total = partials[0, j]
+    for b in range(1, partials.shape[0]):
+        total += partials[b, j]
+    return total
+
+
 @njit(cache=_CACHE)
 def _dweight_columns(partials, dw_addr, j0, j1):
     """dweight[j0:j1] (at ``dw_addr``, the partials' dtype), each column summed over the blocks in
     block order: deterministic dweight. Written in place: the tensor's memory, not a copy."""
-    nblocks = partials.shape[0]
     if partials.itemsize == 8:
         out64 = _ptr_f64(dw_addr)
         for j in range(j0, j1):
-            total = partials[0, j]
-            for b in range(1, nblocks):
-                total += partials[b, j]
-            out64[j] = total
+            out64[j] = _column_total(partials, j)
     else:
         out32 = _ptr_f32(dw_addr)
         for j in range(j0, j1):
-            total = partials[0, j]
-            for b in range(1, nblocks):
-                total += partials[b, j]
-            out32[j] = total
+            out32[j] = _column_total(partials, j)
 
 
 @njit(cache=_CACHE, parallel=True)
