@@ -750,19 +750,32 @@ def _lane_off(monkeypatch):
     monkeypatch.setattr(ops, "train_lane_fused", lambda *a: False)
 
 
-def _train(x, r, w, **options):
+def _lane_calls(monkeypatch):
+    """Counts of the lane's forward calls, (plain, fused), as the calls happen."""
+    from dsnorm import ops
+
+    calls = [0, 0]
+    for i, name in enumerate(("rms_norm_fwd_unchecked", "fused_add_rms_norm_fwd_unchecked")):
+        def counted(*args, _i=i, _f=getattr(ops, name)):
+            calls[_i] += 1
+            return _f(*args)
+        monkeypatch.setattr(ops, name, counted)
+    return calls
+
+
+def _train(monkeypatch, x, r, w, **options):
     """y, residual_out and every gradient of one fused and one plain training call (both outputs
     used), and whether each call took the lane."""
-    from dsnorm import autograd
-
-    xs, rs, ws = (t.clone().requires_grad_() for t in (x, r, w))
-    y, ro = dsnorm.fused_add_rms_norm(xs, rs, ws, **options)
-    z = dsnorm.rms_norm(xs, ws, cast=options.get("cast", "deepseek"))
-    g = torch.linspace(-1, 1, y.numel()).reshape(y.shape).to(y.dtype)
-    torch.autograd.backward((y, ro, z), (g, g.flip(-1), g))
-    lanes = (type(y.grad_fn) is autograd._FusedLaneFunction._backward_cls,
-             type(z.grad_fn) is autograd._PlainLaneFunction._backward_cls)
-    return (y, ro, z, xs.grad, rs.grad, ws.grad), lanes
+    with monkeypatch.context() as patched:
+        calls = _lane_calls(patched)
+        xs, rs, ws = (t.clone().requires_grad_() for t in (x, r, w))
+        y, ro = dsnorm.fused_add_rms_norm(xs, rs, ws, **options)
+        z = dsnorm.rms_norm(xs, ws, cast=options.get("cast", "deepseek"))
+        g = torch.linspace(-1, 1, y.numel()).reshape(y.shape).to(y.dtype)
+        torch.autograd.backward((y, ro, z), (g, g.flip(-1), g))
+    assert type(y.grad_fn).__name__ == "FusedAddRMSNormFunctionBackward"  # one node class either way
+    assert type(z.grad_fn).__name__ == "RMSNormFunctionBackward"
+    return (y, ro, z, xs.grad, rs.grad, ws.grad), (calls[1] == 1, calls[0] == 1)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
@@ -771,12 +784,12 @@ def _train(x, r, w, **options):
 def test_training_lane_gives_the_general_paths_bits(monkeypatch, dtype, shape, options):
     x, r = _rand(shape, dtype, 80), _rand(shape, dtype, 81)
     w = _rand(shape[-1:], torch.float64 if dtype == torch.float64 else torch.float32, 82)
-    _train(x, r, w, **options)  # the options are checked once on the general path
-    got, lanes = _train(x, r, w, **options)
+    _train(monkeypatch, x, r, w, **options)  # the options are checked once on the general path
+    got, lanes = _train(monkeypatch, x, r, w, **options)
     assert lanes == (True, True)
     with monkeypatch.context() as patched:
         _lane_off(patched)
-        want, lanes = _train(x, r, w, **options)
+        want, lanes = _train(monkeypatch, x, r, w, **options)
     assert lanes == (False, False)
     for a, b in zip(got, want):
         assert a.dtype == b.dtype and a.shape == b.shape and bits_equal(a.detach(), b.detach())
@@ -839,12 +852,9 @@ def test_training_lane_refuses_by_the_general_paths_errors(monkeypatch, case):
     assert got[0] is not None  # every case is an error of the fused call
 
 
-def test_training_lane_leaves_other_tensors_to_the_general_path():
-    # Strided rows, a lazily negated view, an inference tensor, a Parameter input, an fp32 residual
-    # stream and a leaf that is a view: the lane takes only plain contiguous tensors of x's dtype.
-    from dsnorm import autograd
-
-    lane_node, general_node = autograd._FusedLaneFunction._backward_cls, autograd.FusedAddRMSNormFunction._backward_cls
+def test_training_lane_leaves_other_tensors_to_the_general_path(monkeypatch):
+    # Strided rows, a lazily negated view, an inference tensor and an fp32 residual stream take the
+    # general path; a Parameter input is a plain tensor (the lane).
     w = torch.ones(64)
     base = _rand((3, 80), torch.float32, 85)
     z = torch.complex(_rand((3, 64), torch.float32, 86), _rand((3, 64), torch.float32, 87))
@@ -852,34 +862,36 @@ def test_training_lane_leaves_other_tensors_to_the_general_path():
         frozen = _rand((3, 64), torch.float32, 88)
     r = _rand((3, 64), torch.float32, 89).requires_grad_()
     cases = {
-        "strided": (base[:, :64].requires_grad_(), r, {}),
-        "negated view": (z.requires_grad_().conj().imag, r, {}),
-        "inference": (frozen, r, {}),
-        "fp32 stream": (_rand((3, 64), torch.bfloat16, 90).requires_grad_(), r, {"residual_dtype": torch.float32}),
+        "strided": (base[:, :64].requires_grad_(), r, {}, 0),
+        "negated view": (z.requires_grad_().conj().imag, r, {}, 0),
+        "inference": (frozen, r, {}, 0),
+        "fp32 stream": (_rand((3, 64), torch.bfloat16, 90).requires_grad_(), r, {"residual_dtype": torch.float32}, 0),
+        "parameter": (torch.nn.Parameter(_rand((3, 64), torch.float32, 91)), r, {}, 1),
     }
-    for name, (x, res, kwargs) in cases.items():
-        y, ro = dsnorm.fused_add_rms_norm(x, res, w, **kwargs)
-        assert type(y.grad_fn) is general_node, name
+    dsnorm.fused_add_rms_norm(r.detach(), r, w)  # the default options checked once
+    for name, (x, res, kwargs, lane) in cases.items():
+        with monkeypatch.context() as patched:
+            calls = _lane_calls(patched)
+            y, ro = dsnorm.fused_add_rms_norm(x, res, w, **kwargs)
+        assert calls[1] == lane, name
         want_y = rms_norm_ref(x.detach().resolve_neg().float() + res.detach().float(), w).to(x.dtype)
         assert max_ulp(y.detach(), want_y) <= 1, name
         (y.float().sum() + ro.float().sum()).backward()
-    p = torch.nn.Parameter(_rand((3, 64), torch.float32, 91))
-    y, _ = dsnorm.fused_add_rms_norm(p, r, w)
-    assert type(y.grad_fn) is lane_node  # a Parameter is a plain tensor
 
 
-def test_chain_shares_the_residual_gradient_between_lane_and_general_nodes():
+def test_chain_shares_the_residual_gradient_between_lane_and_general_calls(monkeypatch):
     # The first norm takes the general path (strided x), the second the lane: the second's
     # residual is still recognised as a fused norm's residual_out.
-    from dsnorm import autograd
-
     w = torch.ones(96)
     a = _rand((4, 100), torch.float32, 92)[:, :96].requires_grad_()
     b, c = (_rand((4, 96), torch.float32, s).requires_grad_() for s in (93, 94))
-    y1, r1 = dsnorm.fused_add_rms_norm(a, b, w)
-    y2, r2 = dsnorm.fused_add_rms_norm(c, r1, w)
-    assert type(r1.grad_fn) is autograd.FusedAddRMSNormFunction._backward_cls
-    assert type(r2.grad_fn) is autograd._FusedLaneFunction._backward_cls
+    dsnorm.fused_add_rms_norm(b.detach(), c, w)  # the default options checked once
+    with monkeypatch.context() as patched:
+        calls = _lane_calls(patched)
+        y1, r1 = dsnorm.fused_add_rms_norm(a, b, w)
+        assert calls[1] == 0
+        y2, r2 = dsnorm.fused_add_rms_norm(c, r1, w)
+        assert calls[1] == 1
     gc, gr1 = torch.autograd.grad((y2, r2), (c, r1), (torch.ones_like(y2), torch.ones_like(r2)))
     assert gc is gr1
 
@@ -903,3 +915,26 @@ def test_compiled_training_does_not_recompile_after_eager_calls_check_new_option
         dsnorm.rms_norm(x, w, eps)
     with torch.compiler.set_stance("fail_on_recompile"):
         compiled(x, r).sum().backward()
+
+
+def test_compiled_autograd_sees_one_node_class_from_the_first_step():
+    # The first call with new options takes the general path (the lane needs them checked before),
+    # later ones the lane: both record the same Function's node, so compiled autograd, which keys
+    # its graphs on the node classes, does not recompile after the first step.
+    from torch._dynamo import compiled_autograd
+
+    torch._dynamo.reset()
+    x, w = _rand((4, 64), torch.float32, 98).requires_grad_(), _rand((64,), torch.float32, 99).requires_grad_()
+
+    def step(eps):
+        y = dsnorm.rms_norm(x, w, eps)
+        assert y.grad_fn._forward_cls is dsnorm.autograd.RMSNormFunction
+        with compiled_autograd._enable(lambda gm: torch.compile(gm, backend="eager")):
+            y.sum().backward()
+        x.grad = w.grad = None  # every step the same graph: .grad set, not accumulated
+
+    eps = 1.25e-5  # options no call has checked before
+    step(eps)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        step(eps)
+        step(eps)

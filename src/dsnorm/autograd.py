@@ -11,8 +11,9 @@ norm. The op itself is used whenever anything could observe the difference: torc
 tracing, tensor subclasses (DTensor, FakeTensor), functorch transforms, and torch function or
 dispatch modes (CommDebugMode, FlopCounterMode...). In grad mode the common case (plain
 contiguous tensors, options checked before) takes a training lane: one proof of what the checks
-would establish (``ops.train_lane_plain`` / ``train_lane_fused``), then the Function with a forward
-that skips them (a fused training forward ~20 -> ~15 us on the CI machine's CPU).
+would establish (``ops.train_lane_plain`` / ``train_lane_fused``), then the same Function, told by
+its ``cast`` argument (``_Proved``) to skip them (a fused training forward ~20 -> ~15 us on the CI
+machine's CPU).
 """
 
 from __future__ import annotations
@@ -144,7 +145,7 @@ def _fused_setup(ctx, inputs, output):
     ctx.residual_rounding = residual_rounding
     # (Dynamo would not trace the probe; the compiled backward calls the op.)
     ctx.share_dresidual = (not _is_compiling() and residual.dtype == x.dtype
-                           and type(residual.grad_fn) in _FUSED_NODES)
+                           and type(residual.grad_fn) is _FUSED_NODE)
 
 
 def _fused_backward(what, ctx, dy, dresidual_out):
@@ -170,6 +171,19 @@ def _fused_grads(ctx, dy_in, dresidual_out, x, residual, weight, rstd):
     return _fused_bwd(dy, x, residual, weight, rstd, dro, ctx.residual_rounding)
 
 
+class _Proved(str):
+    """The ``cast`` the training lane hands the Functions (``_PROVED[cast]``): their arguments passed
+    ``ops.train_lane_plain`` / ``train_lane_fused``, so the forward skips the checks those prove.
+    A str equal to the cast it spells, so everything downstream reads it as that cast; carried as
+    an argument, not as state, so one Function class (one grad_fn, one compiled-autograd node)
+    serves both paths."""
+
+    __slots__ = ()
+
+
+_PROVED = {cast: _Proved(cast) for cast in ("deepseek", "hf")}
+
+
 class RMSNormFunction(torch.autograd.Function):
     """``rms_norm`` on ``[..., n]`` input; weight in the compute dtype. Returns ``(y, rstd)``
     (``rstd`` not differentiable). New-style (forward without ctx, ``setup_context``) so that
@@ -180,6 +194,8 @@ class RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(x, weight, eps, cast):
+        if type(cast) is _Proved:  # the training lane's call: its arguments are proved
+            return ops.rms_norm_fwd_unchecked(x, weight, eps, cast)
         return (ops.rms_norm_fwd if _direct(x, weight) else _fwd)(x, weight, eps, cast)
 
     @staticmethod
@@ -196,6 +212,9 @@ class FusedAddRMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(x, residual, weight, eps, cast, residual_rounding, residual_dtype):
+        if type(cast) is _Proved:  # the training lane's call: its arguments are proved
+            return ops.fused_add_rms_norm_fwd_unchecked(x, residual, weight, eps, cast, residual_rounding,
+                                                        residual_dtype)
         fwd = ops.fused_add_rms_norm_fwd if _direct(x, residual, weight) else _fused_fwd
         return fwd(x, residual, weight, eps, cast, residual_rounding, residual_dtype)
 
@@ -204,18 +223,8 @@ class FusedAddRMSNormFunction(torch.autograd.Function):
         return _fused_backward("fused_add_rms_norm", ctx, dy, dresidual_out)
 
 
-# The training lane's Functions (ops.train_lane_plain / train_lane_fused prove their arguments): the
-# Functions above with a forward that skips the checks the lane proved. Same names (grad_fn reads
-# RMSNormFunctionBackward / FusedAddRMSNormFunctionBackward either way), setup and backward.
-_PlainLaneFunction = type("RMSNormFunction", (RMSNormFunction,), {
-    "__module__": __name__, "__qualname__": "_PlainLaneFunction",
-    "forward": staticmethod(ops.rms_norm_fwd_unchecked)})
-_FusedLaneFunction = type("FusedAddRMSNormFunction", (FusedAddRMSNormFunction,), {
-    "__module__": __name__, "__qualname__": "_FusedLaneFunction",
-    "forward": staticmethod(ops.fused_add_rms_norm_fwd_unchecked)})
-
-# The autograd nodes of a fused norm's outputs (see _fused_setup).
-_FUSED_NODES = (FusedAddRMSNormFunction._backward_cls, _FusedLaneFunction._backward_cls)
+# The autograd node of a FusedAddRMSNormFunction output (see _fused_setup).
+_FUSED_NODE = FusedAddRMSNormFunction._backward_cls
 
 # torch.jit.trace: the forward ops carry their own autograd formula (the same), and while tracing
 # the functions call them whether or not a gradient is needed. The Functions above would record a
@@ -267,12 +276,6 @@ _transforms_active = torch._C._are_functorch_transforms_active
 _is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 
 
-def _lane_apply(function):
-    """``function``'s C apply, bound once (the training lane's arguments are plain tensors outside
-    every transform: what ``_apply`` checks)."""
-    return _c_apply.__get__(None, function)
-
-
 def _apply(function, *args):
     """``function.apply(*args)`` (positional arguments only) without the signature binding (dynamo
     traces only ``apply`` itself: it is what compiled code calls)."""
@@ -284,8 +287,10 @@ def _apply(function, *args):
     return _c_apply.__get__(None, function)(*args)
 
 
-_plain_lane = _lane_apply(_PlainLaneFunction)
-_fused_lane = _lane_apply(_FusedLaneFunction)
+# The Functions' C apply, bound once, for the training lane (its arguments are plain tensors outside
+# every transform: what _apply checks).
+_plain_lane = _c_apply.__get__(None, RMSNormFunction)
+_fused_lane = _c_apply.__get__(None, FusedAddRMSNormFunction)
 
 
 def _needs_grad(*tensors) -> bool:
@@ -364,8 +369,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = EPS, *, cast: s
         if _direct(x, w):
             return ops.rms_norm(x, w, eps, cast)
         return _infer(x, w, eps, cast)
-    if ops.train_lane_plain(x, w, eps, cast):
-        return _plain_lane(x, w, eps, cast)[0]
+    if ops.train_lane_plain(x, w, eps, cast) and cast in _PROVED:
+        return _plain_lane(x, w, eps, _PROVED[cast])[0]
     return _apply(RMSNormFunction, _rows(_savable(x), "x"), w, eps, cast)[0]
 
 
@@ -418,8 +423,8 @@ def fused_add_rms_norm(
         if _direct(x, residual, w):
             return ops.fused_add_rms_norm(x, residual, w, eps, cast, residual_rounding, residual_dtype)
         return _fused_infer(x, residual, w, eps, cast, residual_rounding, residual_dtype)
-    if ops.train_lane_fused(x, residual, w, eps, cast, residual_rounding, residual_dtype):
-        y, residual_out, _ = _fused_lane(x, residual, w, eps, cast, residual_rounding, None)
+    if ops.train_lane_fused(x, residual, w, eps, cast, residual_rounding, residual_dtype) and cast in _PROVED:
+        y, residual_out, _ = _fused_lane(x, residual, w, eps, _PROVED[cast], residual_rounding, None)
         return y, residual_out
     x_rows = _rows(_savable(x), "x")  # x first: the residual's checks are stated in terms of x
     ops.check_residual(residual, x, residual_dtype)
