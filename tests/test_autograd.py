@@ -795,6 +795,34 @@ def test_training_lane_gives_the_general_paths_bits(monkeypatch, dtype, shape, o
         assert a.dtype == b.dtype and a.shape == b.shape and bits_equal(a.detach(), b.detach())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_training_lane_reads_strided_rows_in_place(monkeypatch, dtype):
+    # kv_norm's input in training: a 512-of-576 slice of wkv_a's output, read in place by the lane
+    # as by the general path; the same bits either way.
+    wide_x, wide_r = _rand((2, 3, 576), dtype, 100), _rand((2, 3, 576), dtype, 101)
+    w = _rand((512,), torch.float32, 102)
+
+    def train():
+        with monkeypatch.context() as patched:
+            calls = _lane_calls(patched)
+            xs, rs, ws = wide_x.clone().requires_grad_(), wide_r.clone().requires_grad_(), w.clone().requires_grad_()
+            y, ro = dsnorm.fused_add_rms_norm(xs[..., :512], rs[..., :512], ws)
+            z = dsnorm.rms_norm(xs[..., 64:], ws)
+            g = torch.linspace(-1, 1, y.numel()).reshape(y.shape).to(dtype)
+            torch.autograd.backward((y, ro, z), (g, g.flip(-1), g))
+        return (y, ro, z, xs.grad, rs.grad, ws.grad), (calls[1], calls[0])
+
+    train()
+    got, lanes = train()
+    assert lanes == (1, 1)
+    with monkeypatch.context() as patched:
+        _lane_off(patched)
+        want, lanes = train()
+    assert lanes == (0, 0)
+    for a, b in zip(got, want):
+        assert bits_equal(a.detach(), b.detach())
+
+
 def _raised(call):
     try:
         call()
@@ -853,16 +881,15 @@ def test_training_lane_refuses_by_the_general_paths_errors(monkeypatch, case):
 
 
 def test_training_lane_leaves_other_tensors_to_the_general_path(monkeypatch):
-    # Strided rows, a lazily negated view, an inference tensor and an fp32 residual stream take the
-    # general path; a Parameter input is a plain tensor (the lane).
+    # Rows the kernels cannot read in place, a lazily negated view, an inference tensor and an fp32
+    # residual stream take the general path; a Parameter input is a plain tensor (the lane).
     w = torch.ones(64)
-    base = _rand((3, 80), torch.float32, 85)
     z = torch.complex(_rand((3, 64), torch.float32, 86), _rand((3, 64), torch.float32, 87))
     with torch.inference_mode():
         frozen = _rand((3, 64), torch.float32, 88)
     r = _rand((3, 64), torch.float32, 89).requires_grad_()
     cases = {
-        "strided": (base[:, :64].requires_grad_(), r, {}, 0),
+        "column stride": (_rand((64, 3), torch.float32, 85).t().requires_grad_(), r, {}, 0),
         "negated view": (z.requires_grad_().conj().imag, r, {}, 0),
         "inference": (frozen, r, {}, 0),
         "fp32 stream": (_rand((3, 64), torch.bfloat16, 90).requires_grad_(), r, {"residual_dtype": torch.float32}, 0),
@@ -874,16 +901,16 @@ def test_training_lane_leaves_other_tensors_to_the_general_path(monkeypatch):
             calls = _lane_calls(patched)
             y, ro = dsnorm.fused_add_rms_norm(x, res, w, **kwargs)
         assert calls[1] == lane, name
-        want_y = rms_norm_ref(x.detach().resolve_neg().float() + res.detach().float(), w).to(x.dtype)
+        want_y = rms_norm_ref(x.detach().resolve_neg().contiguous().float() + res.detach().float(), w).to(x.dtype)
         assert max_ulp(y.detach(), want_y) <= 1, name
         (y.float().sum() + ro.float().sum()).backward()
 
 
 def test_chain_shares_the_residual_gradient_between_lane_and_general_calls(monkeypatch):
-    # The first norm takes the general path (strided x), the second the lane: the second's
-    # residual is still recognised as a fused norm's residual_out.
+    # The first norm takes the general path (x's columns strided), the second the lane: the
+    # second's residual is still recognised as a fused norm's residual_out.
     w = torch.ones(96)
-    a = _rand((4, 100), torch.float32, 92)[:, :96].requires_grad_()
+    a = _rand((96, 4), torch.float32, 92).t().requires_grad_()
     b, c = (_rand((4, 96), torch.float32, s).requires_grad_() for s in (93, 94))
     dsnorm.fused_add_rms_norm(b.detach(), c, w)  # the default options checked once
     with monkeypatch.context() as patched:

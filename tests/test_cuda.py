@@ -321,14 +321,16 @@ def test_chain_of_fused_norms_shares_the_residual_gradient(monkeypatch):
         assert_chain_shares_the_residual_gradient(monkeypatch, a, b, c, weight_of(n, gen), dy, dro, EPS)
 
 
-def test_training_lane_on_cuda(monkeypatch):
-    # The training forward's lane (CUDA tensors on one device) against the general path, which the
-    # lane skips: outputs and gradients of one fused and one plain call, the same bits.
+@pytest.mark.parametrize("rows,n,stride", [(64, 7168, None), (8, 512, 576)])
+def test_training_lane_on_cuda(monkeypatch, rows, n, stride):
+    # The training forward's lane (CUDA tensors on one device; kv_norm's strided rows read in place)
+    # against the general path, which the lane skips: outputs and gradients of one fused and one
+    # plain call, the same bits.
     from dsnorm import ops
 
     gen = torch.Generator().manual_seed(43)
-    x, r, g = (rows_of(64, 7168, torch.bfloat16, gen) for _ in range(3))
-    w = weight_of(7168, gen)
+    x, r = (rows_of(rows, n, torch.bfloat16, gen, stride) for _ in range(2))
+    g, w = rows_of(rows, n, torch.bfloat16, gen), weight_of(n, gen)
     calls = [0, 0]
     for i, name in enumerate(("rms_norm_fwd_unchecked", "fused_add_rms_norm_fwd_unchecked")):
         def counted(*args, _i=i, _f=getattr(ops, name)):
@@ -337,11 +339,11 @@ def test_training_lane_on_cuda(monkeypatch):
         monkeypatch.setattr(ops, name, counted)
 
     def train():
-        xs, rs, ws = (t.clone().requires_grad_() for t in (x, r, w))
+        xs, rs, ws = (t.detach().requires_grad_() for t in (x, r, w))
         y, ro = dsnorm.fused_add_rms_norm(xs, rs, ws, EPS)
         z = dsnorm.rms_norm(xs, ws, EPS)
         torch.autograd.backward((y, ro, z), (g, g.flip(-1), g))
-        return [t.detach() for t in (y, ro, z, xs.grad, rs.grad, ws.grad)]
+        return [t.detach().clone() for t in (y, ro, z, xs.grad, rs.grad, ws.grad)]
 
     train()
     calls[:] = [0, 0]

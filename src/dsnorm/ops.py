@@ -338,9 +338,10 @@ def _fused_launch(x, residual, weight, eps, cast, residual_rounding, residual_dt
 # of the public function's argument checks and row handling (autograd._rows, _savable), the
 # Function's probe (autograd._direct) and the forward op's checks (check_input, check_weight,
 # check_residual, check_options, readable_rows): ~7.6 us of a ~20 us fused training forward on the
-# CI machine. It holds for plain contiguous tensors on the CPU or on x's CUDA device, outside every
-# transform, trace, mode and profiler, with options an earlier call has checked (residual_dtype
-# None); anything else takes those checks and their messages. ``weight``: the compute-dtype gain
+# CI machine. It holds for plain tensors whose rows the kernels read in place (contiguous, or strided
+# rows such as kv_norm's 512-of-576 slice) on the CPU or on x's CUDA device, outside every transform,
+# trace, mode and profiler, with options an earlier call has checked (residual_dtype None); anything
+# else takes those checks and their messages. ``weight``: the compute-dtype gain
 # (autograd._compute_weight's).
 _PARAMETER = torch.nn.Parameter
 _transforms_active = torch._C._are_functorch_transforms_active
@@ -364,7 +365,7 @@ def train_lane_plain(x, weight, eps, cast) -> bool:
         and x.layout is _STRIDED and weight.layout is _STRIDED and not x.is_nested and not weight.is_nested
         and _COMPUTE_DTYPE.get(x.dtype) is weight.dtype
         and weight.dim() == 1 and x.dim() >= 1 and x.shape[-1] == weight.shape[0] > 0
-        and x.is_contiguous() and weight.is_contiguous()
+        and (x.is_contiguous() or rows_viewable(x)) and weight.is_contiguous()
         and ((x.is_cpu and weight.is_cpu) or (x.is_cuda and weight.device == x.device))
         and not (x.is_neg() or weight.is_neg() or x._is_zerotensor() or weight._is_zerotensor())
         and not (_is_wrapped(x) or _is_wrapped(weight) or x.is_inference())
@@ -389,7 +390,8 @@ def train_lane_fused(x, residual, weight, eps, cast, residual_rounding, residual
         and _COMPUTE_DTYPE.get(x.dtype) is weight.dtype and residual.dtype is x.dtype
         and weight.dim() == 1 and x.dim() >= 1 and x.shape[-1] == weight.shape[0] > 0
         and residual.shape == x.shape
-        and x.is_contiguous() and residual.is_contiguous() and weight.is_contiguous()
+        and (x.is_contiguous() or rows_viewable(x)) and (residual.is_contiguous() or rows_viewable(residual))
+        and weight.is_contiguous()
         and ((x.is_cpu and residual.is_cpu and weight.is_cpu)
              or (x.is_cuda and residual.device == x.device and weight.device == x.device))
         and not (x.is_neg() or residual.is_neg() or weight.is_neg())
