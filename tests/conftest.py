@@ -94,3 +94,17 @@ def assert_chain_shares_the_residual_gradient(monkeypatch, a, b, c, w, dy, dro, 
     assert shared and not apart
     for g, h in zip(got, want):
         assert bits_equal(g, h)
+
+
+def count_lane_calls(monkeypatch) -> list:
+    """Counts of the training lane's forward calls, ``[plain, fused]``, updated as they happen
+    (the lane's forwards wrapped through ``monkeypatch``)."""
+    from dsnorm import ops
+
+    calls = [0, 0]
+    for i, name in enumerate(("rms_norm_fwd_unchecked", "fused_add_rms_norm_fwd_unchecked")):
+        def counted(*args, _i=i, _f=getattr(ops, name)):
+            calls[_i] += 1
+            return _f(*args)
+        monkeypatch.setattr(ops, name, counted)
+    return calls

@@ -6,7 +6,7 @@ import torch
 import dsnorm
 from dsnorm.ref import rms_norm_backward_ref, rms_norm_ref
 
-from conftest import bits_equal, max_ulp
+from conftest import bits_equal, count_lane_calls, max_ulp
 
 
 def _rand(shape, dtype=torch.float64, seed=0):
@@ -750,24 +750,11 @@ def _lane_off(monkeypatch):
     monkeypatch.setattr(ops, "train_lane_fused", lambda *a: False)
 
 
-def _lane_calls(monkeypatch):
-    """Counts of the lane's forward calls, (plain, fused), as the calls happen."""
-    from dsnorm import ops
-
-    calls = [0, 0]
-    for i, name in enumerate(("rms_norm_fwd_unchecked", "fused_add_rms_norm_fwd_unchecked")):
-        def counted(*args, _i=i, _f=getattr(ops, name)):
-            calls[_i] += 1
-            return _f(*args)
-        monkeypatch.setattr(ops, name, counted)
-    return calls
-
-
 def _train(monkeypatch, x, r, w, **options):
     """y, residual_out and every gradient of one fused and one plain training call (both outputs
     used), and whether each call took the lane."""
     with monkeypatch.context() as patched:
-        calls = _lane_calls(patched)
+        calls = count_lane_calls(patched)
         xs, rs, ws = (t.clone().requires_grad_() for t in (x, r, w))
         y, ro = dsnorm.fused_add_rms_norm(xs, rs, ws, **options)
         z = dsnorm.rms_norm(xs, ws, cast=options.get("cast", "deepseek"))
@@ -804,7 +791,7 @@ def test_training_lane_reads_strided_rows_in_place(monkeypatch, dtype):
 
     def train():
         with monkeypatch.context() as patched:
-            calls = _lane_calls(patched)
+            calls = count_lane_calls(patched)
             xs, rs, ws = wide_x.clone().requires_grad_(), wide_r.clone().requires_grad_(), w.clone().requires_grad_()
             y, ro = dsnorm.fused_add_rms_norm(xs[..., :512], rs[..., :512], ws)
             z = dsnorm.rms_norm(xs[..., 64:], ws)
@@ -898,7 +885,7 @@ def test_training_lane_leaves_other_tensors_to_the_general_path(monkeypatch):
     dsnorm.fused_add_rms_norm(r.detach(), r, w)  # the default options checked once
     for name, (x, res, kwargs, lane) in cases.items():
         with monkeypatch.context() as patched:
-            calls = _lane_calls(patched)
+            calls = count_lane_calls(patched)
             y, ro = dsnorm.fused_add_rms_norm(x, res, w, **kwargs)
         assert calls[1] == lane, name
         want_y = rms_norm_ref(x.detach().resolve_neg().contiguous().float() + res.detach().float(), w).to(x.dtype)
@@ -914,7 +901,7 @@ def test_chain_shares_the_residual_gradient_between_lane_and_general_calls(monke
     b, c = (_rand((4, 96), torch.float32, s).requires_grad_() for s in (93, 94))
     dsnorm.fused_add_rms_norm(b.detach(), c, w)  # the default options checked once
     with monkeypatch.context() as patched:
-        calls = _lane_calls(patched)
+        calls = count_lane_calls(patched)
         y1, r1 = dsnorm.fused_add_rms_norm(a, b, w)
         assert calls[1] == 0
         y2, r2 = dsnorm.fused_add_rms_norm(c, r1, w)

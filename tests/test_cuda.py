@@ -19,7 +19,7 @@ from dsnorm import fusions
 from dsnorm.fusions import act_quant_ref
 from dsnorm.ref import fused_add_rms_norm_ref, rms_norm_backward_ref, rms_norm_ref
 
-from conftest import assert_chain_shares_the_residual_gradient, bits_equal
+from conftest import assert_chain_shares_the_residual_gradient, bits_equal, count_lane_calls
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch sees none)")
 
@@ -331,12 +331,7 @@ def test_training_lane_on_cuda(monkeypatch, rows, n, stride):
     gen = torch.Generator().manual_seed(43)
     x, r = (rows_of(rows, n, torch.bfloat16, gen, stride) for _ in range(2))
     g, w = rows_of(rows, n, torch.bfloat16, gen), weight_of(n, gen)
-    calls = [0, 0]
-    for i, name in enumerate(("rms_norm_fwd_unchecked", "fused_add_rms_norm_fwd_unchecked")):
-        def counted(*args, _i=i, _f=getattr(ops, name)):
-            calls[_i] += 1
-            return _f(*args)
-        monkeypatch.setattr(ops, name, counted)
+    calls = count_lane_calls(monkeypatch)
 
     def train():
         xs, rs, ws = (t.detach().requires_grad_() for t in (x, r, w))
