@@ -923,9 +923,11 @@ def thread_rows(nthreads: int, width: int, dtype) -> np.ndarray:
 _parallel_entry: dict = {}
 
 
-def _parallel_overload(dtype):
-    for sig, overload in _forward_parallel.overloads.items():
-        if sig[2].dtype == numba.from_dtype(dtype):
+def _entry_point(kernel, arg: int, dtype):
+    """The compiled entry point of ``kernel``'s specialisation whose argument ``arg`` is an array of
+    ``dtype`` (the kernels below are specialised only by their scratch's dtype), or None."""
+    for sig, overload in kernel.overloads.items():
+        if sig[arg].dtype == numba.from_dtype(dtype):
             return overload.entry_point
     return None
 
@@ -937,7 +939,7 @@ def _run_parallel(x64: bool, nthreads: int, rows: int, n: int, *args) -> None:
     entry = _parallel_entry.get(x64)
     if entry is None:
         _run(_forward_parallel, x64, rows, n, scratch, *args)
-        _parallel_entry[x64] = _parallel_overload(scratch.dtype)
+        _parallel_entry[x64] = _entry_point(_forward_parallel, 2, scratch.dtype)
     else:
         entry(rows, n, scratch, *args)
 
@@ -1113,9 +1115,7 @@ def backward(dy, x, residual, weight, rstd, dresidual_out, round_first, dx, dres
         entry(*args)
         return
     _run(_backward_serial, np_cdtype, *args)
-    for sig, overload in _backward_serial.overloads.items():
-        if sig[3].dtype == numba.from_dtype(np_cdtype):
-            _backward_entry[x64] = overload.entry_point
+    _backward_entry[x64] = _entry_point(_backward_serial, 3, np_cdtype)
 
 
 # ---------------------------------------------------------------------------------------------
