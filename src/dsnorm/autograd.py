@@ -244,7 +244,7 @@ torch.library.register_autograd(
     lambda ctx, dy, dresidual_out, _drstd: _fused_backward("fused_add_rms_norm_fwd", ctx, dy, dresidual_out),
     setup_context=_fused_setup, lib=ops.lib)
 
-_PLAIN_TYPES = ops.PLAIN_TYPES
+_plain_memory = ops.plain_memory
 # torch.autograd.graph.increment_version without its Python wrapper (this runs per decode call).
 _increment_version = torch._C._increment_version
 
@@ -254,13 +254,7 @@ def _direct(*tensors) -> bool:
     if not ops.dispatch_free():
         return False
     for t in tensors:
-        # Meta tensors (and other devices) take the op: its fake implementation shapes them. So
-        # do a lazily negated view (x.conj().imag), a ZeroTensor (no memory) and a functorch
-        # wrapper left over from a finished transform (torch.func.vjp's saved inputs, when its
-        # vjp function is called afterwards: no storage): the dispatcher resolves them, the
-        # kernels read raw memory.
-        if (type(t) not in _PLAIN_TYPES or not (t.is_cpu or t.is_cuda) or t.is_neg() or t._is_zerotensor()
-                or _is_wrapped(t)):
+        if not _plain_memory(t):
             return False
     return True
 
@@ -272,8 +266,8 @@ def _direct(*tensors) -> bool:
 # left over from one (apply unwraps those), the C apply it ends in is the same call (from torch
 # 2.14 Function.apply is that C apply itself).
 _c_apply = torch._C._FunctionBase.__dict__["apply"]
-_transforms_active = torch._C._are_functorch_transforms_active
-_is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+_transforms_active = ops._transforms_active
+_is_wrapped = ops._is_wrapped
 
 
 def _apply(function, *args):

@@ -343,61 +343,56 @@ def _fused_launch(x, residual, weight, eps, cast, residual_rounding, residual_dt
 # trace, mode and profiler, with options an earlier call has checked (residual_dtype None); anything
 # else takes those checks and their messages. ``weight``: the compute-dtype gain
 # (autograd._compute_weight's).
-_PARAMETER = torch.nn.Parameter
 _transforms_active = torch._C._are_functorch_transforms_active
 _is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 
 
+def plain_memory(t: torch.Tensor) -> bool:
+    """``t`` is memory the kernels may read directly: a plain tensor (no subclass with a dispatch of
+    its own) on the CPU or a CUDA device. Meta tensors (and other devices) take the op: its fake
+    implementation shapes them. So do a lazily negated view (x.conj().imag), a ZeroTensor (no
+    memory) and a functorch wrapper left over from a finished transform (torch.func.vjp's saved
+    inputs, when its vjp function is called afterwards: no storage): the dispatcher resolves them,
+    the kernels read raw memory."""
+    return (type(t) in PLAIN_TYPES and (t.is_cpu or t.is_cuda)
+            and not (t.is_neg() or t._is_zerotensor() or _is_wrapped(t)))
+
+
 def train_lane_plain(x, weight, eps, cast) -> bool:
+    return _train_lane(x, None, weight, (type(eps), eps, cast, "fp32_sum", None))
+
+
+def train_lane_fused(x, residual, weight, eps, cast, residual_rounding, residual_dtype) -> bool:
+    return residual_dtype is None and _train_lane(x, residual, weight, (type(eps), eps, cast, residual_rounding, None))
+
+
+def _train_lane(x, residual, weight, options) -> bool:
+    """The lane's proof; ``options``: check_options' cache key; ``residual``: None for the plain form."""
     # dispatch_free first: while dynamo traces it is False without a guard, and the options cache
     # must not be read then (a guard on its contents: see check_options).
     if not dispatch_free():
         return False
     try:
-        if (type(eps), eps, cast, "fp32_sum", None) not in _OPTIONS_OK:  # check_options' own cache
+        if options not in _OPTIONS_OK:
             return False
     except TypeError:  # an unhashable option
         return False
-    tx, tw = type(x), type(weight)
-    return (
-        (tx is torch.Tensor or tx is _PARAMETER) and (tw is torch.Tensor or tw is _PARAMETER)
-        and not _transforms_active()
+    if not (
+        plain_memory(x) and plain_memory(weight) and not _transforms_active()
         and x.layout is _STRIDED and weight.layout is _STRIDED and not x.is_nested and not weight.is_nested
         and _COMPUTE_DTYPE.get(x.dtype) is weight.dtype
         and weight.dim() == 1 and x.dim() >= 1 and x.shape[-1] == weight.shape[0] > 0
         and (x.is_contiguous() or rows_viewable(x)) and weight.is_contiguous()
-        and ((x.is_cpu and weight.is_cpu) or (x.is_cuda and weight.device == x.device))
-        and not (x.is_neg() or weight.is_neg() or x._is_zerotensor() or weight._is_zerotensor())
-        and not (_is_wrapped(x) or _is_wrapped(weight) or x.is_inference())
-    )
-
-
-def train_lane_fused(x, residual, weight, eps, cast, residual_rounding, residual_dtype) -> bool:
-    if residual_dtype is not None or not dispatch_free():  # (dispatch_free first: as above)
+        and (weight.is_cpu if x.is_cpu else weight.device == x.device)
+        and not x.is_inference()
+    ):
         return False
-    try:
-        if (type(eps), eps, cast, residual_rounding, None) not in _OPTIONS_OK:
-            return False
-    except TypeError:
-        return False
-    tx, tr, tw = type(x), type(residual), type(weight)
-    return (
-        (tx is torch.Tensor or tx is _PARAMETER) and (tr is torch.Tensor or tr is _PARAMETER)
-        and (tw is torch.Tensor or tw is _PARAMETER)
-        and not _transforms_active()
-        and x.layout is _STRIDED and residual.layout is _STRIDED and weight.layout is _STRIDED
-        and not x.is_nested and not residual.is_nested and not weight.is_nested
-        and _COMPUTE_DTYPE.get(x.dtype) is weight.dtype and residual.dtype is x.dtype
-        and weight.dim() == 1 and x.dim() >= 1 and x.shape[-1] == weight.shape[0] > 0
-        and residual.shape == x.shape
-        and (x.is_contiguous() or rows_viewable(x)) and (residual.is_contiguous() or rows_viewable(residual))
-        and weight.is_contiguous()
-        and ((x.is_cpu and residual.is_cpu and weight.is_cpu)
-             or (x.is_cuda and residual.device == x.device and weight.device == x.device))
-        and not (x.is_neg() or residual.is_neg() or weight.is_neg())
-        and not (x._is_zerotensor() or residual._is_zerotensor() or weight._is_zerotensor())
-        and not (_is_wrapped(x) or _is_wrapped(residual) or _is_wrapped(weight))
-        and not (x.is_inference() or residual.is_inference())
+    return residual is None or (
+        plain_memory(residual) and residual.layout is _STRIDED and not residual.is_nested
+        and residual.dtype is x.dtype and residual.shape == x.shape
+        and (residual.is_contiguous() or rows_viewable(residual))
+        and (residual.is_cpu if x.is_cpu else residual.device == x.device)
+        and not residual.is_inference()
     )
 
 
