@@ -17,9 +17,11 @@
 #      F.rms_norm and the torch.add floor, decode also replayed from CUDA graphs;
 #   5. dsnorm bench --device cuda --backward --cases train: forward + backward at training shapes;
 #   6. benchmarks/gpu_configs.py: the launch-configuration sweep behind the heuristics;
-#   7. benchmarks/gpu_host_profile.py: the host's share of an eager call (dsnorm against Liger).
+#   7. benchmarks/gpu_host_profile.py: the host's share of an eager call (dsnorm against Liger);
+#   8. benchmarks/gpu_decode.py: decode latency taken apart (dsnorm's kernel, the same with an
+#      approximate rstd, Liger; with BASELINE=path/to/kernels.py also another revision's kernel).
 # On an H200 (2026-11-30) the steps took 4 + 5 + 83 + 34 + 74 + 30 + 37 + 17 s, and the whole
-# command 296 s with the wheels' install and nvidia-smi. The limits below add up to 560 s, inside
+# command 296 s with the wheels' install and nvidia-smi (before step 8). The limits below add up to 580 s, inside
 # the device tool's 600 s a command; the sweep prints each row as it is measured, so a sweep cut
 # short by its limit still leaves its first rows. The exit status is the number of steps that failed.
 set -u
@@ -53,9 +55,12 @@ python3 -c "import dsnorm" 2>/dev/null || export PYTHONPATH=$PWD/src${PYTHONPATH
 step 20 tests.txt python3 -c "import dsnorm, torch; print('dsnorm', dsnorm.__version__, 'imported; cuda initialised:', torch.cuda.is_initialized())"
 step 140 tests.txt python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py
 step 70 gpu.txt python3 benchmarks/gpu.py --quick --no-compile --json "$OUT/gpu.json"
-step 110 bench.txt python3 -m dsnorm.cli bench --device cuda --json "$OUT/bench.json"
+step 100 bench.txt python3 -m dsnorm.cli bench --device cuda --json "$OUT/bench.json"
 step 50 bwd.txt python3 -m dsnorm.cli bench --device cuda --backward --cases train --json "$OUT/bwd.json"
-step 100 configs.txt python3 benchmarks/gpu_configs.py
+step 70 configs.txt python3 benchmarks/gpu_configs.py
 step 30 configs.txt python3 benchmarks/gpu_host_profile.py
+step 60 decode.txt python3 benchmarks/gpu_decode.py ${BASELINE:+--baseline "$BASELINE"} --json "$OUT/decode.json"
 echo "steps failed: $failed" | tee -a "$OUT/tests.txt"
+# The device tool brings back at most 8 files: the JSON results travel as one archive.
+(cd "$OUT" && tar czf results-json.tgz ./*.json && rm -f ./*.json)
 exit "$failed"

@@ -326,6 +326,29 @@ def test_forward_batch_invariant(n):
         assert_bitwise(rstd1, rstd[i:i + 1])
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_forward_rows_per_program(monkeypatch, fused):
+    """Past ``FWD_MAX_PROGRAMS`` rows a program loops over a block of rows (the last one partial):
+    the same bits as one row a program, which takes the kernel's straight-line branch."""
+    gen = torch.Generator().manual_seed(5)
+    x = rows_of(5, 1536, torch.bfloat16, gen, 1600)
+    r = rows_of(5, 1536, torch.bfloat16, gen) if fused else None
+    w = weight_of(1536, gen)
+    outs = []
+    for programs in (launch.FWD_MAX_PROGRAMS, 2):
+        monkeypatch.setattr(launch, "FWD_MAX_PROGRAMS", programs)
+        y, rstd = torch.empty(5, 1536, dtype=x.dtype), torch.empty(5)
+        ro = torch.empty_like(y) if fused else None
+        grid, _, meta = launch.forward_params(x, r, w, EPS, False, False, y, ro, rstd)
+        assert (grid, meta["ROWS_PER_PROG"]) == (((5,), 1) if programs > 5 else ((2,), 3))
+        launch.forward(x, r, w, EPS, False, False, y, ro, rstd)
+        outs.append((y, ro, rstd))
+    for a, b in zip(*outs):
+        if a is not None:
+            assert_bitwise(a, b)
+    assert_close_y(outs[1][0], fused_add_rms_norm_ref(x, r, w, EPS)[0] if fused else rms_norm_ref(x, w, EPS))
+
+
 def test_forward_fp64():
     gen = torch.Generator().manual_seed(64)
     n = 300

@@ -176,6 +176,23 @@ def _scale(xhat, w, DT: tl.constexpr, CAST_HF: tl.constexpr, CD: tl.constexpr):
     return _narrow(y, DT)
 
 
+@triton.jit
+def _forward_row(X, R, Y, RO, RSTD, row64, stride_x, stride_r, stride_y, stride_ro, cols, mask, w, n_cols, eps,
+                 HAS_RESIDUAL: tl.constexpr, HAS_RESIDUAL_OUT: tl.constexpr, ROUND_FIRST: tl.constexpr,
+                 CAST_HF: tl.constexpr, STORE_RSTD: tl.constexpr, CD: tl.constexpr):
+    """One row of the single-block forward (the kernel's parameters; ``w``: the weight, loaded once
+    per program; ``row64``: the row, int64)."""
+    s = _load_s(X + row64 * stride_x + cols, R + row64 * stride_r + cols, mask, HAS_RESIDUAL, ROUND_FIRST,
+                X.dtype.element_ty, CD)
+    if HAS_RESIDUAL_OUT:
+        tl.store(RO + row64 * stride_ro + cols, _narrow(s, RO.dtype.element_ty), mask=mask)
+    rstd = _rstd(_row_sum(s * s), n_cols, eps, CD)
+    if STORE_RSTD:
+        tl.store(RSTD + row64, rstd.to(RSTD.dtype.element_ty))
+    y = _scale(s * rstd, w, Y.dtype.element_ty, CAST_HF, CD)
+    tl.store(Y + row64 * stride_y + cols, y, mask=mask)
+
+
 # ---------------------------------------------------------------------------------------------
 # Forward.
 
@@ -214,16 +231,17 @@ def rms_norm_fwd_kernel(
     if SINGLE_BLOCK:
         mask = cols < n_cols
         w = tl.load(W + cols, mask=mask, other=0.0).to(CD)
-        for row64 in range(row_begin, row_end):
-            s = _load_s(X + row64 * stride_x + cols, R + row64 * stride_r + cols, mask, HAS_RESIDUAL, ROUND_FIRST,
-                        X.dtype.element_ty, CD)
-            if HAS_RESIDUAL_OUT:
-                tl.store(RO + row64 * stride_ro + cols, _narrow(s, RO.dtype.element_ty), mask=mask)
-            rstd = _rstd(_row_sum(s * s), n_cols, eps, CD)
-            if STORE_RSTD:
-                tl.store(RSTD + row64, rstd.to(RSTD.dtype.element_ty))
-            y = _scale(s * rstd, w, Y.dtype.element_ty, CAST_HF, CD)
-            tl.store(Y + row64 * stride_y + cols, y, mask=mask)
+        if ROWS_PER_PROG == 1:
+            # One row a program (every launch up to FWD_MAX_PROGRAMS rows) as straight-line code.
+            # Inside the row loop (trip count <= 1) the compiler issued the weight's loads only after
+            # the row's sum of squares (sm_90 SASS, fused bf16 [1, 7168]): at decode their latency
+            # then followed x's instead of overlapping it. Here all of a row's loads go out first.
+            _forward_row(X, R, Y, RO, RSTD, row_begin, stride_x, stride_r, stride_y, stride_ro, cols, mask, w,
+                         n_cols, eps, HAS_RESIDUAL, HAS_RESIDUAL_OUT, ROUND_FIRST, CAST_HF, STORE_RSTD, CD)
+        else:
+            for row64 in range(row_begin, row_end):
+                _forward_row(X, R, Y, RO, RSTD, row64, stride_x, stride_r, stride_y, stride_ro, cols, mask, w,
+                             n_cols, eps, HAS_RESIDUAL, HAS_RESIDUAL_OUT, ROUND_FIRST, CAST_HF, STORE_RSTD, CD)
     else:
         for row64 in range(row_begin, row_end):
             x_row = X + row64 * stride_x

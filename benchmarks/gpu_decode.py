@@ -1,0 +1,178 @@
+"""Decode latency, taken apart: dsnorm's forward kernel against the same kernel with an approximate
+rstd (what the exact arithmetic costs), Liger, and optionally the kernel of another revision.
+
+    python benchmarks/gpu_decode.py [--baseline OLD/kernels.py] [--rounds 7] [--json FILE]
+
+At decode sizes a norm is a few microseconds of GPU time, most of it latency: the loads, the
+cross-warp sum, ``rstd`` and the stores, one after the other. dsnorm computes ``rstd`` as the
+reference does on the CPU, ``1 / sqrt(sum / n + eps)`` with IEEE-rounded division and square root
+(three correctly rounded operations, each a short instruction sequence with a slow-path check);
+Liger and torch.compile use the hardware's approximate reciprocal square root. The ``approx rstd``
+variant is dsnorm's kernel with ``_rstd`` replaced by ``rsqrt(sum / n + eps)`` (Triton's fast fp32
+division and ``rsqrt``): the difference between the two rows is what exactness costs at that shape.
+Its outputs are reported in ulps against dsnorm's (it is not a dsnorm mode). ``rcp_rn rstd`` takes
+the reciprocal with ``rcp.rn`` instead of ``div.rn``: IEEE-rounded both, so its bits must be dsnorm's.
+
+``--baseline`` takes a ``dsnorm/triton/kernels.py`` of another revision (e.g. ``git show
+REV:src/dsnorm/triton/kernels.py > /tmp/old_kernels.py``) and times its forward kernel with
+today's launch parameters, for an A/B of a kernel change; its outputs must be bitwise dsnorm's.
+
+Every variant is timed replayed from a CUDA graph of 200 calls (the GPU's own time per call, no
+launch overhead), in ``--rounds`` interleaved rounds (each round times every variant once, so that
+clock and thermal drift fall on all of them alike); the median and the minimum over rounds are
+printed. bf16, DeepSeek's decode shapes. Nothing here changes the library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import sys
+import types
+
+EPS = 1e-6
+# (label, rows, n, row stride or None, fused)
+SHAPES = [
+    ("attn_norm+res B=1", 1, 7168, None, True),
+    ("attn_norm+res B=64", 64, 7168, None, True),
+    ("q_norm B=1", 1, 1536, None, False),
+    ("q_norm B=64", 64, 1536, None, False),
+    ("kv_norm B=1", 1, 512, 576, False),
+    ("final norm B=1", 1, 7168, None, False),
+]
+
+
+def _rejit(kernels_module, replace: dict):
+    """The module's forward kernel compiled afresh with some of its jit helpers replaced: the kernel
+    and the row helper that calls them are re-made from their own code over a patched copy of the
+    module's globals (Triton resolves a kernel's callees through its function's globals)."""
+    import triton
+
+    glb = dict(kernels_module.__dict__)
+    glb.update(replace)
+    for name in ("_forward_row", "rms_norm_fwd_kernel"):
+        if name in glb:
+            fn = getattr(kernels_module, name).fn
+            made = types.FunctionType(fn.__code__, glb, fn.__name__, fn.__defaults__)
+            # The parameters' annotations (tl.constexpr, "fp64") live on the function, not its code.
+            made.__annotations__, made.__kwdefaults__ = dict(fn.__annotations__), fn.__kwdefaults__
+            made.__module__, made.__qualname__ = fn.__module__, fn.__qualname__ + "_rejit"
+            glb[name] = triton.jit(made)
+    return glb["rms_norm_fwd_kernel"]
+
+
+def make_variants(kernels) -> dict:
+    """name -> forward kernel: dsnorm's own, and the same with ``_rstd`` replaced (module doc)."""
+    import triton
+    import triton.language as tl
+    from triton.language.extra import libdevice
+
+    @triton.jit
+    def approx_rstd(sumsq, n_cols, eps, CD: tl.constexpr):
+        # All in fp32 (eps arrives as fp64): Triton's fp32 division and the hardware's rsqrt.
+        return tl.math.rsqrt(sumsq / (n_cols * tl.full([], 1.0, CD)) + tl.full([], eps, CD))
+
+    @triton.jit
+    def rcp_rstd(sumsq, n_cols, eps, CD: tl.constexpr):
+        # The same bits as dsnorm's (both IEEE-rounded), the reciprocal as rcp.rn instead of div.rn.
+        var = kernels._mean(sumsq, n_cols, CD) + tl.full([], eps, CD)
+        return libdevice.rcp_rn(tl.math.sqrt_rn(var))
+
+    return {"dsnorm": kernels.rms_norm_fwd_kernel, "approx rstd": _rejit(kernels, {"_rstd": approx_rstd}),
+            "rcp_rn rstd": _rejit(kernels, {"_rstd": rcp_rstd})}
+
+
+def _ulps(a, b) -> int:
+    import torch
+
+    ia, ib = a.view(torch.int16).to(torch.int32), b.view(torch.int16).to(torch.int32)
+    ia = torch.where(ia < 0, -(ia & 0x7FFF), ia)
+    ib = torch.where(ib < 0, -(ib & 0x7FFF), ib)
+    return int((ia - ib).abs().max())
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--baseline", help="a dsnorm/triton/kernels.py of another revision to A/B against")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--json", help="also write the rows to this JSON file")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print("benchmarks/gpu_decode.py: no CUDA device", file=sys.stderr)
+        return 2
+    import triton
+
+    from dsnorm.bench import graph_replay_time
+    from dsnorm.triton import kernels, launch
+
+    variants = make_variants(kernels)
+    if args.baseline:
+        spec = importlib.util.spec_from_file_location("dsnorm_baseline_kernels", args.baseline)
+        old = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(old)
+        variants["baseline"] = old.rms_norm_fwd_kernel
+    try:
+        from liger_kernel.ops.fused_add_rms_norm import LigerFusedAddRMSNormFunction
+        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+    except ImportError as e:
+        LigerRMSNormFunction = None
+        print(f"not measured: liger: {e}")
+
+    torch.set_grad_enabled(False)  # Liger's Functions then build no autograd graph
+    out_rows = []
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}; "
+          f"us per call from CUDA graphs of 200 calls, {args.rounds} interleaved rounds")
+    for label, m, n, stride, fused in SHAPES:
+        g = torch.Generator(device="cuda").manual_seed(m * n)
+        width = stride or n
+        x = torch.randn(m, width, device="cuda", generator=g).bfloat16()[:, :n]
+        r = (4 * torch.randn(m, n, device="cuda", generator=g)).bfloat16() if fused else None
+        w = (1 + 0.1 * torch.randn(n, device="cuda", generator=g)).float()
+        outs, calls = {}, {}
+        for name, kernel in variants.items():
+            y = torch.empty(m, n, dtype=x.dtype, device="cuda")
+            ro = torch.empty_like(y) if fused else None
+            grid, kargs, meta = launch.forward_params(x, r, w, EPS, False, False, y, ro, None)
+            calls[name] = (lambda k=kernel, gr=grid, a=kargs, mt=meta: k[gr](*a, **mt))
+            calls[name]()
+            outs[name] = (y, ro)
+        if LigerRMSNormFunction is not None:
+            if fused:
+                calls["liger"] = lambda: LigerFusedAddRMSNormFunction.apply(x, r, w, EPS, 0.0, "gemma", False)
+            else:
+                calls["liger"] = lambda: LigerRMSNormFunction.apply(x, w, EPS, 0.0, "gemma", False, None)
+            liger_y = calls["liger"]()
+            outs["liger"] = (liger_y[0], liger_y[1]) if fused else (liger_y, None)
+        torch.cuda.synchronize()
+        ref_y, ref_ro = outs["dsnorm"]
+        notes = {}
+        for name, (y, ro) in outs.items():
+            if name == "dsnorm":
+                continue
+            notes[name] = f"y max {_ulps(y, ref_y)} ulp, {100 * (y != ref_y).float().mean().item():.2f}% differ" + (
+                f"; residual_out bitwise {torch.equal(ro, ref_ro)}" if fused else "")
+        times = {name: [] for name in calls}
+        for _ in range(args.rounds):
+            for name, fn in calls.items():
+                times[name].append(graph_replay_time(fn, calls=200, reps=10) * 1e6)
+        base = statistics.median(times["dsnorm"])
+        for name, ts in times.items():
+            med = statistics.median(ts)
+            row = dict(case=label, M=m, N=n, variant=name, median_us=med, min_us=min(ts), vs_dsnorm=med / base,
+                       note=notes.get(name, ""))
+            out_rows.append(row)
+            print(f"{label:20s} {name:12s} median {med:6.3f} us  min {min(ts):6.3f} us  x{med / base:5.3f}  "
+                  f"{row['note']}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out_rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
