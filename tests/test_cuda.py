@@ -352,6 +352,45 @@ def test_training_lane_on_cuda(monkeypatch, rows, n, stride):
         assert bits_equal(a, b)
 
 
+def test_direct_launch_only_reuses_a_matching_compiled_kernel(monkeypatch):
+    # After a plan's first launch the launcher calls Triton's compiled kernel itself. A launch that
+    # Triton would compile differently must not get that kernel: rows off 16-byte alignment (a bf16
+    # slice starting one element in), a row stride not a multiple of 16, one row (Triton makes an
+    # int 1 a constexpr). Each takes its own compiled kernel, with Triton's own launch's bits; a
+    # wrong reuse would read misaligned vectors (a CUDA fault) or the wrong rows.
+    from dsnorm.triton import launch
+
+    gen = torch.Generator().manual_seed(61)
+    base = rows_of(4, 1568, torch.bfloat16, gen)  # a row stride that is a multiple of 16
+    res = rows_of(4, 1536, torch.bfloat16, gen)
+    w = weight_of(1536, gen)
+    variants = {"aligned": base[:, :1536], "misaligned": base[:, 1:1537], "stride 1537": base.reshape(-1)[:4 * 1537]
+                .view(4, 1537)[:, :1536], "one row": base[:1, :1536]}
+    assert base[:, 1:1537].data_ptr() % 16 != 0
+
+    def forward(x):
+        r = res[:x.shape[0]]
+        y, ro, rstd = torch.empty_like(r), torch.empty_like(r), torch.empty(x.shape[0], device="cuda")
+        launch.forward(x, r, w, EPS, False, False, y, ro, rstd)
+        return y, ro, rstd
+
+    launches = launch._forward_plan(4, 1536, torch.bfloat16, True, True, False, False, True)[2]
+    launches.compiled.clear()
+    for name, x in variants.items():
+        first, direct = forward(x), forward(x)
+        monkeypatch.setattr(launch, "DIRECT_LAUNCH", False)
+        triton_own = forward(x)
+        monkeypatch.setattr(launch, "DIRECT_LAUNCH", True)
+        for a, b, c in zip(first, direct, triton_own):
+            assert_bitwise(a, b)
+            assert_bitwise(a, c)
+        y_ref, ro_ref = fused_add_rms_norm_ref(x.cpu(), res[:x.shape[0]].cpu(), w.cpu(), EPS)
+        assert_bitwise(first[1], ro_ref)
+        assert_y_close(first[0], y_ref)
+    # Four-row launches share a plan: aligned, misaligned and the odd stride each compiled their own.
+    assert len(launches.compiled) == 3 and launches.constexprs[0] == 1  # ROWS_PER_PROG first
+
+
 def test_backward_pipelined_plain_and_fp32(monkeypatch):
     # The pipelined backward (BWD_NUM_STAGES, off by default) on the plain norm it is meant for,
     # [2048, 7168] bf16, and on fp32 fused rows, where 4 stages asked for are cut to what

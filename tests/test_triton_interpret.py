@@ -566,6 +566,80 @@ def test_launch_heuristics_and_their_plans(monkeypatch):
                                torch.empty(launch.backward_partials(x, fused=True).shape[0] + 1, 7168))
 
 
+class _FakeCudaTensor:
+    """What ``launch._launch`` reads of a CUDA tensor, on a machine without one."""
+
+    is_cuda = True
+
+    def __init__(self, address, dtype=torch.bfloat16, device=0):
+        self.address, self.dtype, self.device = address, dtype, device
+
+    def data_ptr(self):
+        return self.address
+
+    def get_device(self):
+        return self.device
+
+
+def test_direct_launch_keys_on_what_triton_specialises(monkeypatch):
+    # launch._launch (CUDA only; here with stand-ins for the tensors, Triton's kernel and its
+    # compiled kernel): the first launch of a plan goes through Triton and keeps the compiled kernel
+    # it returns; a launch that Triton would specialise the same way calls that kernel with the
+    # grid as three dimensions and the constexprs appended in parameter order; anything Triton
+    # specialises on (a tensor's dtype or 16-byte alignment, an int being 1, a multiple of 16, past
+    # int32; the device) gets its own. CPU tensors (the interpreter) always take Triton's launch.
+    calls = []
+
+    class Compiled:
+        def __init__(self, tag):
+            self.tag = tag
+
+        def __getitem__(self, grid):
+            return lambda *a: calls.append(("direct", self.tag, grid, a))
+
+    class Kernel:
+        arg_names = ["X", "Y", "stride", "n", "eps", "A", "B"]
+
+        def __getitem__(self, grid):
+            def jit(*a, **meta):
+                calls.append(("triton", grid, a, meta))
+                return Compiled(len(calls))
+            return jit
+
+    kernel, meta = Kernel(), {"B": 2, "A": 1, "num_warps": 4}
+    launches = launch._Launches((5,))
+    x, y = _FakeCudaTensor(4096), _FakeCudaTensor(8192)
+
+    def run(*args):
+        calls.clear()
+        launch._launch(kernel, (5,), args, meta, launches)
+        return calls[0]
+
+    assert run(x, y, 32, 7, 1e-6)[0] == "triton"
+    assert run(x, y, 32, 7, 1e-6) == ("direct", 1, (5, 1, 1), (x, y, 32, 7, 1e-6, 1, 2))
+    assert run(x, y, 32, 7, 0.5)[0] == "direct"  # floats are not specialised
+    assert run(_FakeCudaTensor(4096 + 2), y, 32, 7, 1e-6)[0] == "triton"  # off 16-byte alignment
+    assert run(_FakeCudaTensor(4096 + 32), y, 32, 7, 1e-6)[0] == "direct"  # aligned elsewhere
+    assert run(_FakeCudaTensor(4096, torch.float16), y, 32, 7, 1e-6)[0] == "triton"
+    assert run(_FakeCudaTensor(4096, device=1), y, 32, 7, 1e-6)[0] == "triton"
+    for stride in (33, 1, 2**31, 48):
+        assert run(x, y, stride, 7, 1e-6)[0] == ("triton" if stride != 48 else "direct")
+    assert run(x, y, 32, 1, 1e-6)[0] == "triton"
+    assert len(launches.compiled) == 8
+    monkeypatch.setattr(launch, "DIRECT_LAUNCH", False)
+    assert run(x, y, 32, 7, 1e-6)[0] == "triton"
+    monkeypatch.setattr(launch, "DIRECT_LAUNCH", True)
+    cpu = torch.empty(2)
+    assert run(cpu, cpu, 32, 7, 1e-6)[0] == run(cpu, cpu, 32, 7, 1e-6)[0] == "triton"
+    # The real kernels: every parameter after the runtime arguments is a constexpr of the plans.
+    x = torch.empty(2, 64, dtype=torch.bfloat16)
+    w, rstd = torch.empty(64), torch.empty(2)
+    grid, args, meta = launch.forward_params(x, x, w, 1e-6, False, False, x, x, rstd)
+    assert kernels.rms_norm_fwd_kernel.arg_names[len(args):] == [k for k in meta if k != "num_warps"]
+    _, args, meta = launch.backward_params(x, x, x, w, rstd, None, False, x, x, launch.backward_partials(x))
+    assert kernels.rms_norm_bwd_kernel.arg_names[len(args):] == [k for k in meta if k != "num_warps"]
+
+
 def test_backward_stages_fit_shared_memory(monkeypatch):
     # Stages asked for are cut until (stages - 1) rows of every input the loop loads fit in
     # BWD_STAGES_SMEM (96 KiB), less a compute-dtype row when the dtypes differ (Triton's layout

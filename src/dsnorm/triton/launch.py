@@ -28,7 +28,10 @@ Launch heuristics (no autotuning: the first call must not sweep configs):
   threads-per-program`` programs (``BWD_PROGRAM_THREADS_WIDE`` for 16-bit rows whose block is at
   least ``BWD_WIDE_BLOCK`` columns).
 * The launch parameters that depend on the shape, dtypes and flags only are computed once per such
-  key (``_plans``): at decode sizes the launch's Python is a visible share of an eager call.
+  key (``_plans``): at decode sizes the launch's Python is a visible share of an eager call. On
+  CUDA each plan also keeps the kernel Triton compiled for it (per device and argument
+  specialisation) and later launches call it directly (``DIRECT_LAUNCH``): 22 against 39 us for
+  the launcher on an H200's host.
 * Backward row loop: the next row prefetched into registers (``BWD_PREFETCH``: 16-bit rows whose
   block is at least ``BWD_PREFETCH_MIN_BLOCK``, i.e. n > 2048); Triton's software pipelining
   (``BWD_NUM_STAGES``) is there but off (measured: see below).
@@ -166,6 +169,66 @@ def _stride(t):
     return 0 if t is None else t.stride(0)
 
 
+# Launch a kernel already compiled for a plan by calling it directly (CUDA only). Triton's own
+# ``kernel[grid](...)`` binds and specialises every argument and rebuilds its cache key in Python
+# at each call: on the H200's host that was the largest share of an eager call's own time
+# (benchmarks/gpu_host_profile.py). The first launch of each plan and specialisation still goes
+# through Triton, which compiles, launches and hands back the compiled kernel kept here. A module
+# setting so that the benchmarks and the tests can compare both ways.
+DIRECT_LAUNCH = True
+# Compiled kernels kept per plan (a plan has one per device and specialisation, usually one).
+_LAUNCHES_MAX = 64
+_INT32_MAX = 2**31 - 1
+
+
+class _Launches:
+    """A plan's compiled kernels, by device and specialisation, and what a direct launch passes
+    beside the runtime arguments: the grid as three dimensions and the constexprs in the kernel's
+    parameter order (a compiled kernel's launcher takes every parameter, constexprs included)."""
+
+    __slots__ = ("grid3", "constexprs", "compiled")
+
+    def __init__(self, grid: tuple):
+        self.grid3 = tuple(grid) + (1,) * (3 - len(grid))
+        self.constexprs = None
+        self.compiled = {}
+
+
+def _specialisation(args) -> tuple:
+    """What Triton compiles a launch for beyond its constexprs and options, as its runtime does (and
+    so what one compiled kernel may be reused for): each tensor's dtype and whether its address is a
+    multiple of 16 bytes; each integer's being 1 (then a constexpr), a multiple of 16, and its type
+    (i32 up to 2**31 - 1, else i64). Floats are not specialised (eps is typed fp64)."""
+    spec = []
+    for a in args:
+        if type(a) is int:
+            spec.append((a == 1, a % 16 == 0, a > _INT32_MAX or a < -_INT32_MAX - 1))
+        elif type(a) is not float:
+            spec.append((a.dtype, a.data_ptr() % 16 == 0))
+    return tuple(spec)
+
+
+def _launch(kernel, grid, args, meta, launches: _Launches) -> None:
+    """``kernel[grid](*args, **meta)``: on CUDA tensors, launches after a plan's first (per device and
+    specialisation) call the kernel Triton compiled for it directly; elsewhere (the interpreter)
+    Triton's own launch."""
+    if not (DIRECT_LAUNCH and args[0].is_cuda):
+        kernel[grid](*args, **meta)
+        return
+    key = (args[0].get_device(), _specialisation(args))
+    compiled = launches.compiled.get(key)
+    if compiled is not None:
+        compiled[launches.grid3](*args, *launches.constexprs)
+        return
+    compiled = kernel[grid](*args, **meta)
+    if launches.constexprs is None:
+        # The kernel's parameters after the runtime arguments are its constexprs, all in meta.
+        launches.constexprs = tuple(meta[name] for name in kernel.arg_names[len(args):])
+    if len(launches.compiled) >= _LAUNCHES_MAX:
+        launches.compiled.clear()
+    launches.compiled[key] = compiled
+
+
 # Launch parameters that depend on the shape, dtypes and flags only, per such key. The key also
 # holds the settings ``_settings`` lists (the module's constants and the two config functions that
 # benchmarks/gpu_configs.py and the tests replace), so a change to those is never served a stale
@@ -207,25 +270,35 @@ def _forward_plan(rows, n, dtype, has_residual, has_residual_out, round_first, c
         CD=_compute_dtype(dtype),
         num_warps=warps,
     )
-    return _remember(key, ((-(-rows // rows_per_prog),), meta))
+    grid = (-(-rows // rows_per_prog),)
+    return _remember(key, (grid, meta, _Launches(grid)))
+
+
+def _forward_args(x, residual, weight, eps, y, residual_out, rstd) -> tuple:
+    """The forward kernel's runtime arguments; None-tensors are replaced by valid unused pointers,
+    their strides by 0."""
+    return (
+        x, _ptr(residual, x), weight, y, _ptr(residual_out, y), _ptr(rstd, weight),
+        x.stride(0), _stride(residual), y.stride(0), _stride(residual_out),
+        x.shape[0], x.shape[1], float(eps),
+    )
+
+
+def _forward_checked_plan(x, residual, weight, cast_hf, round_first, y, residual_out, rstd):
+    rows, n = x.shape
+    # Unit stride along the row (a width-1 row has no stride to speak of: only column 0 is read).
+    assert n == 1 or (x.stride(1) == 1 and y.stride(1) == 1)
+    assert weight.is_contiguous() and (residual_out is None or residual is not None)
+    return _forward_plan(rows, n, x.dtype, residual is not None, residual_out is not None, bool(round_first),
+                         bool(cast_hf), rstd is not None)
 
 
 def forward_params(x, residual, weight, eps, cast_hf, round_first, y, residual_out, rstd):
     """``(grid, args, meta)`` of the forward launch (also what the ahead-of-time compile test
     compiles); None-tensors are replaced by valid unused pointers, their strides by 0. ``meta`` is
     shared between launches of one key: read it, do not change it."""
-    rows, n = x.shape
-    # Unit stride along the row (a width-1 row has no stride to speak of: only column 0 is read).
-    assert n == 1 or (x.stride(1) == 1 and y.stride(1) == 1)
-    assert weight.is_contiguous() and (residual_out is None or residual is not None)
-    grid, meta = _forward_plan(rows, n, x.dtype, residual is not None, residual_out is not None,
-                               bool(round_first), bool(cast_hf), rstd is not None)
-    args = (
-        x, _ptr(residual, x), weight, y, _ptr(residual_out, y), _ptr(rstd, weight),
-        x.stride(0), _stride(residual), y.stride(0), _stride(residual_out),
-        rows, n, float(eps),
-    )
-    return grid, args, meta
+    grid, meta, _ = _forward_checked_plan(x, residual, weight, cast_hf, round_first, y, residual_out, rstd)
+    return grid, _forward_args(x, residual, weight, eps, y, residual_out, rstd), meta
 
 
 def _rows(t):
@@ -259,13 +332,14 @@ def forward_2d(x, residual, weight, eps, cast_hf, round_first, y, residual_out, 
     rows, n = x.shape
     if rows == 0 or n == 0:
         return
-    grid, args, meta = forward_params(x, residual, weight, eps, cast_hf, round_first, y, residual_out, rstd)
+    grid, meta, launches = _forward_checked_plan(x, residual, weight, cast_hf, round_first, y, residual_out, rstd)
+    args = _forward_args(x, residual, weight, eps, y, residual_out, rstd)
     with on_device(x):
-        kernels.rms_norm_fwd_kernel[grid](*args, **meta)
+        _launch(kernels.rms_norm_fwd_kernel, grid, args, meta, launches)
 
 
 def _backward_plan(rows, n, dtype, dy_dtype, residual_dtype, dro_dtype, dr_dtype, round_first):
-    """``(programs, meta, partials dtype, partials zeroed)`` for the backward of this key
+    """``(programs, meta, partials dtype, partials zeroed, compiled launches)`` for the backward of this key
     (``dr_dtype``: dresidual's, None when it is not written)."""
     key = ("bwd", rows, n, dtype, dy_dtype, residual_dtype, dro_dtype, dr_dtype, round_first, _settings())
     plan = _plans.get(key)
@@ -289,7 +363,8 @@ def _backward_plan(rows, n, dtype, dy_dtype, residual_dtype, dro_dtype, dr_dtype
         num_warps=warps,
     )
     cdtype = torch.float64 if dtype == torch.float64 else torch.float32
-    return _remember(key, (-(-rows // rows_per_prog), meta, cdtype, not single))
+    programs = -(-rows // rows_per_prog)
+    return _remember(key, (programs, meta, cdtype, not single, _Launches((programs,))))
 
 
 def _dtype(t):
@@ -317,7 +392,7 @@ def backward_params(dy, x, residual, weight, rstd, dresidual_out, round_first, d
     """``(grid, args, meta)`` of the backward launch; ``partials`` is the [programs, n] scratch
     (see ``backward_partials``). ``meta`` is shared between launches of one key: read it only."""
     rows, n = x.shape
-    programs, meta, _, _ = _backward_plan(rows, n, x.dtype, dy.dtype, _dtype(residual), _dtype(dresidual_out),
+    programs, meta, _, _, _ = _backward_plan(rows, n, x.dtype, dy.dtype, _dtype(residual), _dtype(dresidual_out),
                                           _dtype(dresidual), bool(round_first))
     assert partials.shape == (programs, n) and partials.is_contiguous()
     return (programs,), _backward_args(dy, x, residual, weight, rstd, dresidual_out, dx, dresidual, partials), meta
@@ -329,7 +404,7 @@ def backward_partials(x, fused: bool = True) -> torch.Tensor:
     allocates it. For callers of ``backward_params`` (the tests, the ahead-of-time compiles)."""
     rows, n = x.shape
     # The row blocks, the partials' dtype and their zeroing depend on x's dtype and the kind only.
-    programs, _, cdtype, zeroed = _backward_plan(rows, n, x.dtype, x.dtype, x.dtype if fused else None, None, None,
+    programs, _, cdtype, zeroed, _ = _backward_plan(rows, n, x.dtype, x.dtype, x.dtype if fused else None, None, None,
                                                  False)
     return _partials(programs, n, cdtype, zeroed, x.device)
 
@@ -354,12 +429,13 @@ def backward_2d(dy, x, residual, weight, rstd, dresidual_out, round_first, dx, d
     if rows == 0:
         dweight.zero_()
         return
-    programs, meta, cdtype, zeroed = _backward_plan(rows, n, x.dtype, dy.dtype, _dtype(residual),
-                                                    _dtype(dresidual_out), _dtype(dresidual), bool(round_first))
+    programs, meta, cdtype, zeroed, launches = _backward_plan(rows, n, x.dtype, dy.dtype, _dtype(residual),
+                                                              _dtype(dresidual_out), _dtype(dresidual),
+                                                              bool(round_first))
     partials = _partials(programs, n, cdtype, zeroed, x.device)
     args = _backward_args(dy, x, residual, weight, rstd, dresidual_out, dx, dresidual, partials)
     with on_device(x):
-        kernels.rms_norm_bwd_kernel[(programs,)](*args, **meta)
+        _launch(kernels.rms_norm_bwd_kernel, (programs,), args, meta, launches)
     if dweight.dtype == partials.dtype:
         torch.sum(partials, dim=0, out=dweight)
     else:
