@@ -355,9 +355,10 @@ def test_training_lane_on_cuda(monkeypatch, rows, n, stride):
 def test_direct_launch_only_reuses_a_matching_compiled_kernel(monkeypatch):
     # After a plan's first launch the launcher calls Triton's compiled kernel itself. A launch that
     # Triton would compile differently must not get that kernel: rows off 16-byte alignment (a bf16
-    # slice starting one element in), a row stride not a multiple of 16, one row (Triton makes an
-    # int 1 a constexpr). Each takes its own compiled kernel, with Triton's own launch's bits; a
-    # wrong reuse would read misaligned vectors (a CUDA fault) or the wrong rows.
+    # slice starting one element in), a row stride not a multiple of 16. Each takes its own compiled
+    # kernel, with Triton's own launch's bits; a wrong reuse would read misaligned vectors (a CUDA
+    # fault) or the wrong rows. (One row is a plan of its own, rows being in the plan's key; the
+    # CPU tests hold the key's other distinctions, an int equal to 1 among them.)
     from dsnorm.triton import launch
 
     gen = torch.Generator().manual_seed(61)

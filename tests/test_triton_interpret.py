@@ -588,9 +588,13 @@ def test_direct_launch_keys_on_what_triton_specialises(monkeypatch):
     # grid as three dimensions and the constexprs appended in parameter order; anything Triton
     # specialises on (a tensor's dtype or 16-byte alignment, an int being 1, a multiple of 16, past
     # int32; the device) gets its own. CPU tensors (the interpreter) always take Triton's launch.
+    from triton.compiler import CompiledKernel
+
     calls = []
 
-    class Compiled:
+    class Compiled(CompiledKernel):
+        module = None  # a stand-in: no module loaded (nor unloaded)
+
         def __init__(self, tag):
             self.tag = tag
 
@@ -629,6 +633,19 @@ def test_direct_launch_keys_on_what_triton_specialises(monkeypatch):
     monkeypatch.setattr(launch, "DIRECT_LAUNCH", False)
     assert run(x, y, 32, 7, 1e-6)[0] == "triton"
     monkeypatch.setattr(launch, "DIRECT_LAUNCH", True)
+    # Triton settings its runtime keys kernels on: while one is set, Triton launches (and compiles
+    # what it needs); what it compiled then is not kept.
+    monkeypatch.setattr(triton.knobs.runtime, "debug", True)
+    assert run(x, y, 32, 7, 1e-6)[0] == run(x, y, 32, 9, 1e-6)[0] == "triton"
+    monkeypatch.setattr(triton.knobs.runtime, "debug", False)
+    assert run(x, y, 32, 7, 1e-6)[0] == "direct" and run(x, y, 32, 9, 1e-6)[0] == "direct"
+    assert len(launches.compiled) == 8
+    # Another kernel object (a reload, a replacement) starts the plan's launches over.
+    kernel = Kernel()
+    assert run(x, y, 32, 7, 1e-6)[0] == "triton" and len(launches.compiled) == 1
+    # Anything but a compiled kernel back from Triton (3.9's asynchronous compile: a future) is not kept.
+    Kernel.__getitem__ = lambda self, grid: lambda *a, **m: calls.append(("triton", grid, a, m)) or object()
+    assert run(x, y, 33, 7, 1e-6)[0] == run(x, y, 33, 7, 1e-6)[0] == "triton"
     cpu = torch.empty(2)
     assert run(cpu, cpu, 32, 7, 1e-6)[0] == run(cpu, cpu, 32, 7, 1e-6)[0] == "triton"
     # The real kernels: every parameter after the runtime arguments is a constexpr of the plans.
@@ -638,6 +655,34 @@ def test_direct_launch_keys_on_what_triton_specialises(monkeypatch):
     assert kernels.rms_norm_fwd_kernel.arg_names[len(args):] == [k for k in meta if k != "num_warps"]
     _, args, meta = launch.backward_params(x, x, x, w, rstd, None, False, x, x, launch.backward_partials(x))
     assert kernels.rms_norm_bwd_kernel.arg_names[len(args):] == [k for k in meta if k != "num_warps"]
+
+
+def test_direct_launch_key_agrees_with_tritons_specialisation():
+    # launch._specialisation must tell apart every two arguments that Triton's runtime compiles
+    # different kernels for (its C++ specialisation, as `kernel[grid]` calls it for the CUDA
+    # backend): ints around every boundary it draws (1, multiples of 16, the i32 / i64 / u64
+    # ranges) and tensors of several dtypes at every byte offset up to 32.
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import make_backend
+
+    backend = make_backend(GPUTarget("cuda", 90, 32))
+
+    def tritons(a):
+        return native_specialize_impl(backend, a, False, True, True)
+
+    edges = [0, 2**31, 2**63, 2**64 - 16]
+    ints = sorted({e + d for e in edges for d in (-17, -16, -15, -1, 0, 1, 15, 16, 17)} | {-(2**31), -(2**31) - 1,
+                                                                                              2**63 - 1, 2**64 - 1})
+    ints = [v for v in ints if -(2**63) <= v < 2**64]
+    base = torch.empty(64, dtype=torch.uint8)
+    tensors = [base[o:o + 16].view(dtype) for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+               for o in range(0, 32, dtype.itemsize)]
+    for group in (ints, tensors):
+        seen = {}
+        for a in group:
+            key = launch._specialisation([a])
+            assert seen.setdefault(key, tritons(a)) == tritons(a), (a, key)
 
 
 def test_backward_stages_fit_shared_memory(monkeypatch):

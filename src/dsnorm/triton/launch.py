@@ -48,6 +48,7 @@ import contextlib
 import torch
 import triton
 import triton.language as tl
+from triton.compiler import CompiledKernel
 
 from dsnorm.triton import kernels
 
@@ -174,22 +175,26 @@ def _stride(t):
 # at each call: on the H200's host that was the largest share of an eager call's own time
 # (benchmarks/gpu_host_profile.py). The first launch of each plan and specialisation still goes
 # through Triton, which compiles, launches and hands back the compiled kernel kept here. A module
-# setting so that the benchmarks and the tests can compare both ways.
-DIRECT_LAUNCH = True
+# setting so that the benchmarks and the tests can compare both ways. Off on ROCm: its backend
+# also specialises a tensor on its storage's size (32-bit buffer offsets), which the key below
+# does not hold, and it was never measured there.
+DIRECT_LAUNCH = not torch.version.hip
 # Compiled kernels kept per plan (a plan has one per device and specialisation, usually one).
 _LAUNCHES_MAX = 64
-_INT32_MAX = 2**31 - 1
+_INT32_MIN, _INT32_MAX, _UINT64_FROM = -(2**31), 2**31 - 1, 2**63
 
 
 class _Launches:
     """A plan's compiled kernels, by device and specialisation, and what a direct launch passes
     beside the runtime arguments: the grid as three dimensions and the constexprs in the kernel's
-    parameter order (a compiled kernel's launcher takes every parameter, constexprs included)."""
+    parameter order (a compiled kernel's launcher takes every parameter, constexprs included).
+    ``kernel``: the jit function they were compiled from (a reloaded or replaced one starts over)."""
 
-    __slots__ = ("grid3", "constexprs", "compiled")
+    __slots__ = ("grid3", "kernel", "constexprs", "compiled")
 
     def __init__(self, grid: tuple):
         self.grid3 = tuple(grid) + (1,) * (3 - len(grid))
+        self.kernel = None
         self.constexprs = None
         self.compiled = {}
 
@@ -198,29 +203,46 @@ def _specialisation(args) -> tuple:
     """What Triton compiles a launch for beyond its constexprs and options, as its runtime does (and
     so what one compiled kernel may be reused for): each tensor's dtype and whether its address is a
     multiple of 16 bytes; each integer's being 1 (then a constexpr), a multiple of 16, and its type
-    (i32 up to 2**31 - 1, else i64). Floats are not specialised (eps is typed fp64)."""
+    (i32, i64, or u64 from 2**63). Floats are not specialised (eps is typed fp64).
+    tests/test_triton_interpret.py holds this against Triton's own specialisation."""
     spec = []
     for a in args:
         if type(a) is int:
-            spec.append((a == 1, a % 16 == 0, a > _INT32_MAX or a < -_INT32_MAX - 1))
+            kind = 0 if _INT32_MIN <= a <= _INT32_MAX else (2 if a >= _UINT64_FROM else 1)
+            spec.append((a == 1, a % 16 == 0, kind))
         elif type(a) is not float:
             spec.append((a.dtype, a.data_ptr() % 16 == 0))
     return tuple(spec)
+
+
+def _default_knobs() -> bool:
+    """Whether the Triton settings that its runtime also keys compiled kernels on are unset: device
+    asserts (``TRITON_DEBUG``), Proton's instrumentation, and in Triton 3.9 the fp sanitizer's casts
+    and the stage-inspection hook. With any of them set every launch goes through Triton (and
+    what it compiles then is not kept), so that setting one after the first launch takes effect."""
+    knobs = triton.knobs
+    return not (knobs.runtime.debug or knobs.compilation.instrumentation_mode
+                or getattr(knobs.compilation, "fpsan_homomorphic_casts", False)
+                or getattr(knobs.runtime, "add_stages_inspection_hook", None) is not None)
 
 
 def _launch(kernel, grid, args, meta, launches: _Launches) -> None:
     """``kernel[grid](*args, **meta)``: on CUDA tensors, launches after a plan's first (per device and
     specialisation) call the kernel Triton compiled for it directly; elsewhere (the interpreter)
     Triton's own launch."""
-    if not (DIRECT_LAUNCH and args[0].is_cuda):
+    if not (DIRECT_LAUNCH and args[0].is_cuda and _default_knobs()):
         kernel[grid](*args, **meta)
         return
+    if launches.kernel is not kernel:
+        launches.kernel, launches.constexprs, launches.compiled = kernel, None, {}
     key = (args[0].get_device(), _specialisation(args))
     compiled = launches.compiled.get(key)
     if compiled is not None:
         compiled[launches.grid3](*args, *launches.constexprs)
         return
     compiled = kernel[grid](*args, **meta)
+    if not isinstance(compiled, CompiledKernel):
+        return  # e.g. Triton 3.9's asynchronous compile mode hands back a future: nothing to keep
     if launches.constexprs is None:
         # The kernel's parameters after the runtime arguments are its constexprs, all in meta.
         launches.constexprs = tuple(meta[name] for name in kernel.arg_names[len(args):])
