@@ -932,14 +932,21 @@ def _entry_point(kernel, arg: int, dtype):
     return None
 
 
+def _first_run(kernel, entries: dict, x64: bool, scratch_arg: int, *args) -> None:
+    """A kernel's first call per compute dtype (``_run``: it compiles), its compiled entry point
+    then recorded in ``entries[x64]`` for the callers to call directly; for the kernels specialised
+    only by their scratch's dtype (argument ``scratch_arg``)."""
+    _run(kernel, x64, *args)
+    entries[x64] = _entry_point(kernel, scratch_arg, args[scratch_arg].dtype)
+
+
 def _run_parallel(x64: bool, nthreads: int, rows: int, n: int, *args) -> None:
     """``_forward_parallel`` on ``nthreads`` threads with this thread's scratch (args: the
     kernel's arguments after ``scratch``)."""
     scratch = _scratch(nthreads, n + ACC_SLOTS, np.float64 if x64 else np.float32)
     entry = _parallel_entry.get(x64)
     if entry is None:
-        _run(_forward_parallel, x64, rows, n, scratch, *args)
-        _parallel_entry[x64] = _entry_point(_forward_parallel, 2, scratch.dtype)
+        _first_run(_forward_parallel, _parallel_entry, x64, 2, rows, n, scratch, *args)
     else:
         entry(rows, n, scratch, *args)
 
@@ -1111,11 +1118,10 @@ def backward(dy, x, residual, weight, rstd, dresidual_out, round_first, dx, dres
         _run(_backward_kernel, np_cdtype, *args)
         return
     entry = _backward_entry.get(x64)
-    if entry is not None:
+    if entry is None:
+        _first_run(_backward_serial, _backward_entry, x64, 3, *args)
+    else:
         entry(*args)
-        return
-    _run(_backward_serial, np_cdtype, *args)
-    _backward_entry[x64] = _entry_point(_backward_serial, 3, np_cdtype)
 
 
 # ---------------------------------------------------------------------------------------------
