@@ -415,7 +415,7 @@ def backward_params(dy, x, residual, weight, rstd, dresidual_out, round_first, d
     (see ``backward_partials``). ``meta`` is shared between launches of one key: read it only."""
     rows, n = x.shape
     programs, meta, _, _, _ = _backward_plan(rows, n, x.dtype, dy.dtype, _dtype(residual), _dtype(dresidual_out),
-                                          _dtype(dresidual), bool(round_first))
+                                             _dtype(dresidual), bool(round_first))
     assert partials.shape == (programs, n) and partials.is_contiguous()
     return (programs,), _backward_args(dy, x, residual, weight, rstd, dresidual_out, dx, dresidual, partials), meta
 
@@ -426,8 +426,8 @@ def backward_partials(x, fused: bool = True) -> torch.Tensor:
     allocates it. For callers of ``backward_params`` (the tests, the ahead-of-time compiles)."""
     rows, n = x.shape
     # The row blocks, the partials' dtype and their zeroing depend on x's dtype and the kind only.
-    programs, _, cdtype, zeroed, _ = _backward_plan(rows, n, x.dtype, x.dtype, x.dtype if fused else None, None, None,
-                                                 False)
+    programs, _, cdtype, zeroed, _ = _backward_plan(rows, n, x.dtype, x.dtype, x.dtype if fused else None, None,
+                                                    None, False)
     return _partials(programs, n, cdtype, zeroed, x.device)
 
 
