@@ -84,15 +84,6 @@ def make_variants(kernels) -> dict:
             "rcp_rn rstd": _rejit(kernels, {"_rstd": rcp_rstd})}
 
 
-def _ulps(a, b) -> int:
-    import torch
-
-    ia, ib = a.view(torch.int16).to(torch.int32), b.view(torch.int16).to(torch.int32)
-    ia = torch.where(ia < 0, -(ia & 0x7FFF), ia)
-    ib = torch.where(ib < 0, -(ib & 0x7FFF), ib)
-    return int((ia - ib).abs().max())
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--baseline", help="a dsnorm/triton/kernels.py of another revision to A/B against")
@@ -107,7 +98,7 @@ def main(argv=None) -> int:
         return 2
     import triton
 
-    from dsnorm.bench import graph_replay_time
+    from dsnorm.bench import graph_replay_time, ulp_distance
     from dsnorm.triton import kernels, launch
 
     variants = make_variants(kernels)
@@ -154,7 +145,8 @@ def main(argv=None) -> int:
         for name, (y, ro) in outs.items():
             if name == "dsnorm":
                 continue
-            notes[name] = f"y max {_ulps(y, ref_y)} ulp, {100 * (y != ref_y).float().mean().item():.2f}% differ" + (
+            differ = 100 * (y != ref_y).float().mean().item()
+            notes[name] = f"y max {int(ulp_distance(y, ref_y).max())} ulp, {differ:.2f}% differ" + (
                 f"; residual_out bitwise {torch.equal(ro, ref_ro)}" if fused else "")
         times = {name: [] for name in calls}
         for _ in range(args.rounds):
