@@ -19,7 +19,8 @@
 #   6. benchmarks/gpu_configs.py: the launch-configuration sweep behind the heuristics;
 #   7. benchmarks/gpu_host_profile.py: the host's share of an eager call (dsnorm against Liger);
 #   8. benchmarks/gpu_decode.py: decode latency taken apart (dsnorm's kernel, the same with an
-#      approximate rstd, Liger; with BASELINE=path/to/kernels.py also another revision's kernel).
+#      approximate rstd, variants with the same bits by other instructions, Liger; with
+#      BASELINE=path/to/kernels.py also another revision's kernel).
 # On an H200 (2026-11-30) the steps took 4 + 5 + 83 + 34 + 74 + 30 + 37 + 17 s, and the whole
 # command 296 s with the wheels' install and nvidia-smi (before step 8). The limits below add up to 580 s, inside
 # the device tool's 600 s a command; the sweep prints each row as it is measured, so a sweep cut

@@ -1,5 +1,6 @@
-"""Decode latency, taken apart: dsnorm's forward kernel against the same kernel with an approximate
-rstd (what the exact arithmetic costs), Liger, and optionally the kernel of another revision.
+"""Decode latency, taken apart: dsnorm's forward kernel against variants of it (an approximate rstd:
+what the exact arithmetic costs; the same bits by other instructions), Liger, and optionally the
+kernel of another revision.
 
     python benchmarks/gpu_decode.py [--baseline OLD/kernels.py] [--rounds 7] [--json FILE]
 
@@ -11,7 +12,13 @@ Liger and torch.compile use the hardware's approximate reciprocal square root. T
 variant is dsnorm's kernel with ``_rstd`` replaced by ``rsqrt(sum / n + eps)`` (Triton's fast fp32
 division and ``rsqrt``): the difference between the two rows is what exactness costs at that shape.
 Its outputs are reported in ulps against dsnorm's (it is not a dsnorm mode). ``rcp_rn rstd`` takes
-the reciprocal with ``rcp.rn`` instead of ``div.rn``: IEEE-rounded both, so its bits must be dsnorm's.
+the reciprocal with ``rcp.rn`` instead of ``div.rn``: IEEE-rounded both, so its bits must be dsnorm's
+(libdevice's ``rcp_rn`` is the flush-to-zero form, which no rstd meets: ``sqrt(var)`` lies between
+about 4e-23 and 2e19, or is inf, for every accepted eps). ``pair widen`` widens bf16 inputs two
+values at a time from their 32-bit word, one integer instruction a value (ptxas spends three a pair
+on ``cvt.f32.bf16``; 20 fewer SASS instructions in the fused ``[*, 7168]`` kernel, 18 in the plain
+one); exact, so again dsnorm's bits. ``pair+rcp_rn`` is both. tests/test_triton_compile.py compiles
+every variant for sm_90 at every shape here, so that one that cannot compile is found without a GPU.
 
 ``--baseline`` takes a ``dsnorm/triton/kernels.py`` of another revision (e.g. ``git show
 REV:src/dsnorm/triton/kernels.py > /tmp/old_kernels.py``) and times its forward kernel with
@@ -44,27 +51,37 @@ SHAPES = [
 ]
 
 
+# The variants whose outputs may differ from dsnorm's; every other one must give its bits.
+NOT_BITWISE = ("approx rstd", "liger")
+
+# The forward kernel and the jit helpers it reaches, callees before callers: a variant re-makes all
+# of them over one patched copy of the module's globals, so that a replaced helper is seen at any depth.
+_FORWARD_TREE = ("_widen", "_load_s", "_mean", "_rstd", "_blocked_rstd", "_scale", "_forward_row",
+                 "rms_norm_fwd_kernel")
+
+
 def _rejit(kernels_module, replace: dict):
-    """The module's forward kernel compiled afresh with some of its jit helpers replaced: the kernel
-    and the row helper that calls them are re-made from their own code over a patched copy of the
-    module's globals (Triton resolves a kernel's callees through its function's globals)."""
+    """The module's forward kernel compiled afresh with some of its jit helpers replaced: every
+    function of ``_FORWARD_TREE`` not replaced is re-made from its own code over a patched copy of
+    the module's globals (Triton resolves a kernel's callees through its function's globals)."""
     import triton
 
     glb = dict(kernels_module.__dict__)
     glb.update(replace)
-    for name in ("_forward_row", "rms_norm_fwd_kernel"):
-        if name in glb:
-            fn = getattr(kernels_module, name).fn
-            made = types.FunctionType(fn.__code__, glb, fn.__name__, fn.__defaults__)
-            # The parameters' annotations (tl.constexpr, "fp64") live on the function, not its code.
-            made.__annotations__, made.__kwdefaults__ = dict(fn.__annotations__), fn.__kwdefaults__
-            made.__module__, made.__qualname__ = fn.__module__, fn.__qualname__ + "_rejit"
-            glb[name] = triton.jit(made)
+    for name in _FORWARD_TREE:
+        if name in replace:
+            continue
+        fn = getattr(kernels_module, name).fn
+        made = types.FunctionType(fn.__code__, glb, fn.__name__, fn.__defaults__)
+        # The parameters' annotations (tl.constexpr, "fp64") live on the function, not its code.
+        made.__annotations__, made.__kwdefaults__ = dict(fn.__annotations__), fn.__kwdefaults__
+        made.__module__, made.__qualname__ = fn.__module__, fn.__qualname__ + "_rejit"
+        glb[name] = triton.jit(made)
     return glb["rms_norm_fwd_kernel"]
 
 
 def make_variants(kernels) -> dict:
-    """name -> forward kernel: dsnorm's own, and the same with ``_rstd`` replaced (module doc)."""
+    """name -> forward kernel: dsnorm's own, and the same with a jit helper replaced (module doc)."""
     import triton
     import triton.language as tl
     from triton.language.extra import libdevice
@@ -80,8 +97,23 @@ def make_variants(kernels) -> dict:
         var = kernels._mean(sumsq, n_cols, CD) + tl.full([], eps, CD)
         return libdevice.rcp_rn(tl.math.sqrt_rn(var))
 
+    @triton.jit
+    def pair_widen(v, CD: tl.constexpr):
+        # bf16 -> fp32 two values at a time from their 32-bit word: the low one shifted up, the high
+        # one masked in place (one instruction each). ptxas makes three of a pair's widening through
+        # cvt.f32.bf16 (the high half moved down by a PRMT, then shifted back up). Exact either way:
+        # the same bits as dsnorm's.
+        if v.dtype == tl.bfloat16:
+            out = tl.inline_asm_elementwise("shl.b32 $0, $2, 16;\n\tand.b32 $1, $2, 0xffff0000;", "=r,=r,r", [v],
+                                            dtype=tl.float32, is_pure=True, pack=2).to(CD)
+        else:
+            out = v.to(CD)
+        return out
+
     return {"dsnorm": kernels.rms_norm_fwd_kernel, "approx rstd": _rejit(kernels, {"_rstd": approx_rstd}),
-            "rcp_rn rstd": _rejit(kernels, {"_rstd": rcp_rstd})}
+            "rcp_rn rstd": _rejit(kernels, {"_rstd": rcp_rstd}),
+            "pair widen": _rejit(kernels, {"_widen": pair_widen}),
+            "pair+rcp_rn": _rejit(kernels, {"_widen": pair_widen, "_rstd": rcp_rstd})}
 
 
 def main(argv=None) -> int:
@@ -148,6 +180,8 @@ def main(argv=None) -> int:
             differ = 100 * (y != ref_y).float().mean().item()
             notes[name] = f"y max {int(ulp_distance(y, ref_y).max())} ulp, {differ:.2f}% differ" + (
                 f"; residual_out bitwise {torch.equal(ro, ref_ro)}" if fused else "")
+            if name not in NOT_BITWISE and not (torch.equal(y, ref_y) and (ro is None or torch.equal(ro, ref_ro))):
+                notes[name] += "  NOT dsnorm's bits: this variant must give them"
         times = {name: [] for name in calls}
         for _ in range(args.rounds):
             for name, fn in calls.items():

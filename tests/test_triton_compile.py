@@ -117,3 +117,46 @@ SCRIPT = textwrap.dedent(
 @pytest.mark.skipif(not ptxas_available(), reason="Triton's NVIDIA backend (ptxas) is not available")
 def test_kernels_compile_for_sm90():
     run_compiled(SCRIPT)
+
+
+DECODE_VARIANTS_SCRIPT = textwrap.dedent(
+    r"""
+    import importlib.util
+    import os
+    import torch
+    from dsnorm.triton import kernels, launch
+    from triton_aot import compile_launch, rows
+
+    # benchmarks/ is not a package: load the decode benchmark by path, as a device run would run it.
+    path = os.path.join(os.environ["DSNORM_REPO"], "benchmarks", "gpu_decode.py")
+    spec = importlib.util.spec_from_file_location("gpu_decode", path)
+    gpu_decode = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_decode)
+    variants = gpu_decode.make_variants(kernels)
+    for label, m, n, stride, fused in gpu_decode.SHAPES:
+        x, y = rows(m, n, torch.bfloat16, stride), rows(m, n, torch.bfloat16)
+        r = rows(m, n, torch.bfloat16) if fused else None
+        ro = rows(m, n, torch.bfloat16) if fused else None
+        _, args, meta = launch.forward_params(x, r, torch.ones(n), gpu_decode.EPS, False, False, y, ro, None)
+        for name, kernel in variants.items():
+            ptx = compile_launch(kernel, args, meta).asm["ptx"]
+            what = (label, name)
+            pair = name.startswith("pair")
+            # Each variant replaces what its name says and nothing else.
+            assert ("cvt.f32.bf16" not in ptx and "0xffff0000" in ptx) == pair, what
+            assert ("rcp.rn" in ptx) == ("rcp_rn" in name), what
+            approx = name == "approx rstd"
+            assert ("rsqrt.approx" in ptx) == approx and ("sqrt.rn.f32" in ptx) != approx, what
+    print("ALL OK")
+    """
+)
+
+
+@pytest.mark.skipif(not ptxas_available(), reason="Triton's NVIDIA backend (ptxas) is not available")
+def test_decode_benchmark_variants_compile_for_sm90(monkeypatch):
+    # benchmarks/gpu_decode.py runs on a lent GPU only: a variant that does not compile would cost
+    # device time to find out. Each must compile for sm_90 at every shape it is timed at.
+    import os
+
+    monkeypatch.setenv("DSNORM_REPO", os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    run_compiled(DECODE_VARIANTS_SCRIPT)
