@@ -56,11 +56,11 @@ python3 -c "import dsnorm" 2>/dev/null || export PYTHONPATH=$PWD/src${PYTHONPATH
 step 20 tests.txt python3 -c "import dsnorm, torch; print('dsnorm', dsnorm.__version__, 'imported; cuda initialised:', torch.cuda.is_initialized())"
 step 140 tests.txt python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py
 step 70 gpu.txt python3 benchmarks/gpu.py --quick --no-compile --json "$OUT/gpu.json"
-step 100 bench.txt python3 -m dsnorm.cli bench --device cuda --json "$OUT/bench.json"
+step 80 bench.txt python3 -m dsnorm.cli bench --device cuda --json "$OUT/bench.json"
 step 50 bwd.txt python3 -m dsnorm.cli bench --device cuda --backward --cases train --json "$OUT/bwd.json"
-step 70 configs.txt python3 benchmarks/gpu_configs.py
+step 60 configs.txt python3 benchmarks/gpu_configs.py
 step 30 configs.txt python3 benchmarks/gpu_host_profile.py
-step 60 decode.txt python3 benchmarks/gpu_decode.py ${BASELINE:+--baseline "$BASELINE"} --json "$OUT/decode.json"
+step 90 decode.txt python3 benchmarks/gpu_decode.py ${BASELINE:+--baseline "$BASELINE"} --json "$OUT/decode.json"
 echo "steps failed: $failed" | tee -a "$OUT/tests.txt"
 # The device tool brings back at most 8 files: the JSON results travel as one archive.
 (cd "$OUT" && tar czf results-json.tgz ./*.json && rm -f ./*.json)

@@ -17,8 +17,13 @@ the reciprocal with ``rcp.rn`` instead of ``div.rn``: IEEE-rounded both, so its 
 about 4e-23 and 2e19, or is inf, for every accepted eps). ``pair widen`` widens bf16 inputs two
 values at a time from their 32-bit word, one integer instruction a value (ptxas spends three a pair
 on ``cvt.f32.bf16``; 20 fewer SASS instructions in the fused ``[*, 7168]`` kernel, 18 in the plain
-one); exact, so again dsnorm's bits. ``pair+rcp_rn`` is both. tests/test_triton_compile.py compiles
-every variant for sm_90 at every shape here, so that one that cannot compile is found without a GPU.
+one); exact, so again dsnorm's bits. ``pair+rcp_rn`` is both. ``split 2`` / ``split 4`` spread each
+row over 2 / 4 programs that each load and sum the whole row (dsnorm's bits) but load the weight for,
+and store, a quarter or half of it: a decode row's bytes pass through one SM, and across the widths
+the kernel's time grows with them at about 65-80 bytes a ns (kv_norm to the final norm and the
+fused 7168 row, session 13's runs), which is what these test. tests/test_triton_compile.py
+compiles every variant for sm_90 at every shape here, so that one that cannot compile is found
+without a GPU; the split kernel's bits were checked against dsnorm's under the interpreter.
 
 ``--baseline`` takes a ``dsnorm/triton/kernels.py`` of another revision (e.g. ``git show
 REV:src/dsnorm/triton/kernels.py > /tmp/old_kernels.py``) and times its forward kernel with
@@ -30,14 +35,15 @@ clock and thermal drift fall on all of them alike); the median and the minimum o
 printed. bf16, DeepSeek's decode shapes. Nothing here changes the library.
 """
 
-from __future__ import annotations
-
 import argparse
 import importlib.util
 import json
 import statistics
 import sys
 import types
+
+import triton
+import triton.language as tl
 
 EPS = 1e-6
 # (label, rows, n, row stride or None, fused)
@@ -60,30 +66,67 @@ _FORWARD_TREE = ("_widen", "_load_s", "_mean", "_rstd", "_blocked_rstd", "_scale
                  "rms_norm_fwd_kernel")
 
 
-def _rejit(kernels_module, replace: dict):
+def _remade(fn, glb: dict):
+    """``fn``'s code as a new function over the globals ``glb``."""
+    made = types.FunctionType(fn.__code__, glb, fn.__name__, fn.__defaults__)
+    # The parameters' annotations (tl.constexpr, "fp64") live on the function, not its code.
+    made.__annotations__, made.__kwdefaults__ = dict(fn.__annotations__), fn.__kwdefaults__
+    made.__module__, made.__qualname__ = fn.__module__, fn.__qualname__ + "_rejit"
+    return made
+
+
+def _rejit(kernels_module, replace: dict, kernel: str = "rms_norm_fwd_kernel"):
     """The module's forward kernel compiled afresh with some of its jit helpers replaced: every
     function of ``_FORWARD_TREE`` not replaced is re-made from its own code over a patched copy of
-    the module's globals (Triton resolves a kernel's callees through its function's globals)."""
-    import triton
-
+    the module's globals (Triton resolves a kernel's callees through its function's globals).
+    ``kernel``: the kernel to return, or the name of a plain function of this script to make into
+    one over the same globals (``_split_fwd_kernel``)."""
     glb = dict(kernels_module.__dict__)
     glb.update(replace)
     for name in _FORWARD_TREE:
         if name in replace:
             continue
-        fn = getattr(kernels_module, name).fn
-        made = types.FunctionType(fn.__code__, glb, fn.__name__, fn.__defaults__)
-        # The parameters' annotations (tl.constexpr, "fp64") live on the function, not its code.
-        made.__annotations__, made.__kwdefaults__ = dict(fn.__annotations__), fn.__kwdefaults__
-        made.__module__, made.__qualname__ = fn.__module__, fn.__qualname__ + "_rejit"
-        glb[name] = triton.jit(made)
-    return glb["rms_norm_fwd_kernel"]
+        glb[name] = triton.jit(_remade(getattr(kernels_module, name).fn, glb))
+    if kernel not in glb:
+        glb[kernel] = triton.jit(_remade(globals()[kernel], glb))
+    return glb[kernel]
+
+
+def _split_fwd_kernel(X, R, W, Y, RO, RSTD, stride_x, stride_r, stride_y, stride_ro, n_rows, n_cols,
+                     eps: "fp64", ROWS_PER_PROG: tl.constexpr, BLOCK_N: tl.constexpr,
+                     SINGLE_BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_RESIDUAL_OUT: tl.constexpr,
+                     ROUND_FIRST: tl.constexpr, CAST_HF: tl.constexpr, STORE_RSTD: tl.constexpr,
+                     CD: tl.constexpr, SPLIT: tl.constexpr):
+    """dsnorm's forward (its parameters; a single block and one row a program only) with each row
+    spread over SPLIT programs, grid (rows, SPLIT): every one of them loads the whole row and sums it
+    exactly as dsnorm does (the same layout, so the same rstd bits), then loads the weight for, and
+    stores, only its own BLOCK_N / SPLIT columns. At decode one program's loads pass through one SM;
+    this moves the weight's bytes (half of a fused [1, 7168] row's) and the stores onto SPLIT SMs.
+    Out of place only: a program storing y into x while another still reads x would race.
+
+    A plain function: make_variants makes it a jit function over the library kernels module's
+    globals, where its helpers (``_load_s``...) are found, as the interpreter also looks them up."""
+    tl.static_assert(SINGLE_BLOCK and ROWS_PER_PROG == 1 and BLOCK_N >= SPLIT, "decode shapes only")
+    row64 = tl.program_id(0).to(tl.int64)
+    lo = tl.program_id(1) * (BLOCK_N // SPLIT)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < n_cols
+    mine = mask & (cols >= lo) & (cols < lo + BLOCK_N // SPLIT)
+    s = _load_s(X + row64 * stride_x + cols, R + row64 * stride_r + cols, mask, HAS_RESIDUAL, ROUND_FIRST,
+                X.dtype.element_ty, CD)
+    w = tl.load(W + cols, mask=mine, other=0.0).to(CD)
+    if HAS_RESIDUAL_OUT:
+        tl.store(RO + row64 * stride_ro + cols, _narrow(s, RO.dtype.element_ty), mask=mine)
+    rstd = _rstd(_row_sum(s * s), n_cols, eps, CD)
+    if STORE_RSTD:
+        tl.store(RSTD + row64, rstd.to(RSTD.dtype.element_ty), mask=lo == 0)
+    y = _scale(s * rstd, w, Y.dtype.element_ty, CAST_HF, CD)
+    tl.store(Y + row64 * stride_y + cols, y, mask=mine)
 
 
 def make_variants(kernels) -> dict:
-    """name -> forward kernel: dsnorm's own, and the same with a jit helper replaced (module doc)."""
-    import triton
-    import triton.language as tl
+    """name -> (forward kernel, split): dsnorm's own, the same with a jit helper replaced, and the
+    row spread over ``split`` programs (module doc)."""
     from triton.language.extra import libdevice
 
     @triton.jit
@@ -110,10 +153,20 @@ def make_variants(kernels) -> dict:
             out = v.to(CD)
         return out
 
-    return {"dsnorm": kernels.rms_norm_fwd_kernel, "approx rstd": _rejit(kernels, {"_rstd": approx_rstd}),
-            "rcp_rn rstd": _rejit(kernels, {"_rstd": rcp_rstd}),
-            "pair widen": _rejit(kernels, {"_widen": pair_widen}),
-            "pair+rcp_rn": _rejit(kernels, {"_widen": pair_widen, "_rstd": rcp_rstd})}
+    split = _rejit(kernels, {}, "_split_fwd_kernel")
+    return {"dsnorm": (kernels.rms_norm_fwd_kernel, 1), "approx rstd": (_rejit(kernels, {"_rstd": approx_rstd}), 1),
+            "rcp_rn rstd": (_rejit(kernels, {"_rstd": rcp_rstd}), 1),
+            "pair widen": (_rejit(kernels, {"_widen": pair_widen}), 1),
+            "pair+rcp_rn": (_rejit(kernels, {"_widen": pair_widen, "_rstd": rcp_rstd}), 1),
+            "split 2": (split, 2), "split 4": (split, 4)}
+
+
+def launch_variant(kernel, split: int, grid, args, meta):
+    """A variant's launch: the library's own grid and meta, or with ``split`` > 1 the split
+    kernel's grid (rows, split) and its SPLIT."""
+    if split == 1:
+        return kernel[grid](*args, **meta)
+    return kernel[(grid[0], split)](*args, **meta, SPLIT=split)
 
 
 def main(argv=None) -> int:
@@ -128,7 +181,6 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("benchmarks/gpu_decode.py: no CUDA device", file=sys.stderr)
         return 2
-    import triton
 
     from dsnorm.bench import graph_replay_time, ulp_distance
     from dsnorm.triton import kernels, launch
@@ -138,7 +190,7 @@ def main(argv=None) -> int:
         spec = importlib.util.spec_from_file_location("dsnorm_baseline_kernels", args.baseline)
         old = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(old)
-        variants["baseline"] = old.rms_norm_fwd_kernel
+        variants["baseline"] = (old.rms_norm_fwd_kernel, 1)
     try:
         from liger_kernel.ops.fused_add_rms_norm import LigerFusedAddRMSNormFunction
         from liger_kernel.ops.rms_norm import LigerRMSNormFunction
@@ -157,11 +209,11 @@ def main(argv=None) -> int:
         r = (4 * torch.randn(m, n, device="cuda", generator=g)).bfloat16() if fused else None
         w = (1 + 0.1 * torch.randn(n, device="cuda", generator=g)).float()
         outs, calls = {}, {}
-        for name, kernel in variants.items():
+        for name, (kernel, split) in variants.items():
             y = torch.empty(m, n, dtype=x.dtype, device="cuda")
             ro = torch.empty_like(y) if fused else None
             grid, kargs, meta = launch.forward_params(x, r, w, EPS, False, False, y, ro, None)
-            calls[name] = (lambda k=kernel, gr=grid, a=kargs, mt=meta: k[gr](*a, **mt))
+            calls[name] = (lambda k=kernel, sp=split, gr=grid, a=kargs, mt=meta: launch_variant(k, sp, gr, a, mt))
             calls[name]()
             outs[name] = (y, ro)
         if LigerRMSNormFunction is not None:

@@ -138,8 +138,8 @@ DECODE_VARIANTS_SCRIPT = textwrap.dedent(
         r = rows(m, n, torch.bfloat16) if fused else None
         ro = rows(m, n, torch.bfloat16) if fused else None
         _, args, meta = launch.forward_params(x, r, torch.ones(n), gpu_decode.EPS, False, False, y, ro, None)
-        for name, kernel in variants.items():
-            ptx = compile_launch(kernel, args, meta).asm["ptx"]
+        for name, (kernel, split) in variants.items():
+            ptx = compile_launch(kernel, args, dict(meta, SPLIT=split) if split > 1 else meta).asm["ptx"]
             what = (label, name)
             pair = name.startswith("pair")
             # Each variant replaces what its name says and nothing else.
@@ -160,3 +160,54 @@ def test_decode_benchmark_variants_compile_for_sm90(monkeypatch):
 
     monkeypatch.setenv("DSNORM_REPO", os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     run_compiled(DECODE_VARIANTS_SCRIPT)
+
+
+SPLIT_BITS_SCRIPT = textwrap.dedent(
+    r"""
+    import importlib.util
+    import os
+    import torch
+    from dsnorm.triton import kernels, launch
+
+    assert kernels.BIT_ARITHMETIC  # interpreted
+    path = os.path.join(os.environ["DSNORM_REPO"], "benchmarks", "gpu_decode.py")
+    spec = importlib.util.spec_from_file_location("gpu_decode", path)
+    gpu_decode = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_decode)
+    variants = gpu_decode.make_variants(kernels)
+    splits = [name for name, (_, split) in variants.items() if split > 1]
+    assert splits
+    torch.manual_seed(0)
+    for m, n, stride, fused, dtype in [(2, 7168, None, True, torch.bfloat16), (2, 512, 576, False, torch.bfloat16),
+                                       (2, 111, None, True, torch.float16), (1, 1536, None, False, torch.float32)]:
+        x = torch.randn(m, stride or n).to(dtype)[:, :n]
+        r = (4 * torch.randn(m, n)).to(dtype) if fused else None
+        w = 1 + 0.1 * torch.randn(n)
+        outs = {}
+        for name in ["dsnorm"] + splits:
+            kernel, split = variants[name]
+            y = torch.full((m, n), float("nan"), dtype=dtype)
+            ro = torch.full_like(y, float("nan")) if fused else None
+            rstd = torch.full((m,), float("nan"))
+            grid, args, meta = launch.forward_params(x, r, w, gpu_decode.EPS, False, False, y, ro, rstd)
+            gpu_decode.launch_variant(kernel, split, grid, args, meta)
+            outs[name] = [t.view(torch.uint8) for t in (y, ro, rstd) if t is not None]  # bits, NaN or not
+        for name in splits:
+            assert all(torch.equal(a, b) for a, b in zip(outs[name], outs["dsnorm"])), (name, m, n, dtype)
+    print("ALL OK")
+    """
+)
+
+
+def test_decode_benchmark_split_variants_give_dsnorm_bits():
+    # The split variants spread a row's weight loads and stores over programs that each sum the
+    # whole row: under the interpreter every output (y, residual_out, rstd) must be dsnorm's bits,
+    # every column written (the outputs start as NaN).
+    import os
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TRITON_INTERPRET="1", DSNORM_REPO=repo)
+    proc = subprocess.run([sys.executable, "-c", SPLIT_BITS_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "ALL OK" in proc.stdout, proc.stderr[-4000:]
