@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import dsnorm
-from dsnorm.ref import rms_norm_backward_ref, rms_norm_ref
+from dsnorm.ref import RMSNormRef, rms_norm_backward_ref, rms_norm_ref
 
 from conftest import bits_equal, count_lane_calls, max_ulp
 
@@ -192,16 +192,23 @@ def test_saved_tensors_swapped_after_the_forward_are_refused_by_name():
         wg.data = swapped
         with pytest.raises(ValueError, match=error):
             torch.autograd.grad(y, (x,), torch.ones_like(y))
-    # no gradient for y (dy is zeros like the saved x): the residual_out gradient's rows are checked
-    # against saved tensors that a hook handed back with more rows
+    # no gradient for y: the residual_out gradient is x's and the residual's as it is, and the saved
+    # tensors (here handed back by a hook with more rows) are not read for it
     def more_rows(t):
         return t.repeat(4, 1) if t.dim() == 2 else (t.repeat(4) if t.shape == (4,) else t)
 
     x, r = x0.clone().requires_grad_(), r0.clone().requires_grad_()
     with torch.autograd.graph.saved_tensors_hooks(lambda t: t, more_rows):
         _, ro = dsnorm.fused_add_rms_norm(x, r, w)
-    with pytest.raises(ValueError, match="dresidual_out must have shape"):
-        torch.autograd.grad(ro, (x, r), torch.ones_like(ro))
+    dro = _rand((4, 64), torch.float32, 78)
+    dx, dr = torch.autograd.grad(ro, (x, r), dro)
+    assert bits_equal(dx, dro) and bits_equal(dr, dro)
+    # with a gradient for y, a residual_out gradient of other rows than the saved x's is refused
+    x, r = x0.clone().requires_grad_(), r0.clone().requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, more_rows):
+        y, ro = dsnorm.fused_add_rms_norm(x, r, w)
+    with pytest.raises(ValueError, match="must have"):
+        torch.autograd.grad((y, ro), (x, r), (torch.ones_like(y), torch.ones_like(ro)))
 
 
 def test_low_precision_weight_gradient_comes_back_in_its_dtype():
@@ -722,21 +729,52 @@ def test_round_first_backward_values(dtype):
     assert max_ulp(xs.grad, ds_ref.to(dtype)) <= 1 and max_ulp(rs.grad, ds_ref.to(dtype)) <= 1
 
 
+@pytest.mark.parametrize("dtype, res_dtype, stream", [
+    (torch.float32, torch.float32, None), (torch.bfloat16, torch.bfloat16, None),
+    (torch.bfloat16, torch.float32, None), (torch.bfloat16, torch.float16, torch.float32)])
+def test_only_the_new_residual_used(dtype, res_dtype, stream):
+    # y unused (only the residual stream goes on): as in the reference's graph the gradient reaches
+    # x and residual through s = x + residual alone, rounded to each one's dtype, and the weight
+    # gets none: its .grad stays None (a zero gradient would still move it under weight decay), and
+    # an infinite x (s) gives no NaN (the norm's xhat * 0 would).
+    x, r = _rand((3, 64), dtype, 91), _rand((3, 64), res_dtype, 92)
+    x[0, 0] = float("inf")
+    dro = _rand((3, 64), stream or dtype, 93)
+    for norm in (dsnorm.RMSNorm(64, residual_dtype=stream), RMSNormRef(64) if stream is None else None):
+        if norm is None:
+            continue
+        xs, rs = x.clone().requires_grad_(), r.clone().requires_grad_()
+        y, res = norm(xs, rs)
+        res.backward(dro)
+        assert norm.weight.grad is None, type(norm).__name__
+        assert bits_equal(xs.grad, dro.to(dtype)) and bits_equal(rs.grad, dro.to(res_dtype)), type(norm).__name__
+
+
 # The fp32 residual stream's gradients are checked for dtype only (test_fp32_residual_stream_
 # gradient_dtype); a kernel writing dresidual with x's code, or reading dresidual_out with it, was
 # caught only incidentally by the DTensor test (uninitialised memory / shard offsets differing).
-def test_fp32_residual_stream_gradient_values():
+# Also a residual of another dtype than x's with the stream in x's dtype (the reference's
+# residual.float() under torch.autocast): dresidual comes back in the residual's own dtype.
+@pytest.mark.parametrize("dtype, res_dtype, stream", [
+    (torch.bfloat16, torch.float32, torch.float32), (torch.bfloat16, torch.float32, None),
+    (torch.bfloat16, torch.float16, None), (torch.float32, torch.bfloat16, None)])
+def test_fp32_residual_stream_gradient_values(dtype, res_dtype, stream):
     shape = (8, 512)
-    x, r = _rand_scaled(shape, torch.bfloat16, 45), _rand_scaled(shape, torch.float32, 46)
+    x, r = _rand_scaled(shape, dtype, 45), _rand_scaled(shape, res_dtype, 46)
     w = _rand_scaled(shape[-1:], torch.float32, 47)
-    dy, dro = _rand_scaled(shape, torch.bfloat16, 48), _rand_scaled(shape, torch.float32, 49)
+    dy, dro = _rand_scaled(shape, dtype, 48), _rand_scaled(shape, stream or dtype, 49)
     xs, rs, ws = (t.clone().requires_grad_() for t in (x, r, w))
-    y, res = dsnorm.fused_add_rms_norm(xs, rs, ws, residual_dtype=torch.float32)
+    y, res = dsnorm.fused_add_rms_norm(xs, rs, ws, residual_dtype=stream)
     torch.autograd.backward((y, res), (dy, dro))
+    assert xs.grad.dtype == dtype and rs.grad.dtype == res_dtype
     ds_ref, dw_ref = rms_norm_backward_ref(dy, x.double() + r.double(), w)
     ds_ref = ds_ref + dro.double()
-    torch.testing.assert_close(rs.grad.double(), ds_ref, rtol=1e-5, atol=1e-5)
-    assert max_ulp(xs.grad, ds_ref.to(torch.bfloat16)) <= 1
+    for grad in (xs.grad, rs.grad):
+        if grad.dtype == torch.float32:
+            torch.testing.assert_close(grad.double(), ds_ref, rtol=1e-5, atol=1e-5)
+        else:
+            assert max_ulp(grad, ds_ref.to(grad.dtype)) <= 1
+    assert ((ws.grad.double() - dw_ref).norm() / dw_ref.norm()).item() < 1e-5
 
 
 # The training lane (ops.train_lane_plain / train_lane_fused): the forward's common case proved in
@@ -835,7 +873,7 @@ def test_training_lane_refuses_by_the_general_paths_errors(monkeypatch, case):
     elif case == "residual shape":
         r = r[:2]
     elif case == "residual dtype":
-        r = r.float()
+        r = r.double()  # bf16, fp16 and fp32 residuals are taken (widened, as the reference's .float())
     elif case == "x 0-d":
         x, r = x[0, 0], r[0, 0]
     elif case == "x width 0":

@@ -311,6 +311,31 @@ def test_backward_of_an_fp32_residual_stream():
         _assert_grad_close(dr, ds64, float(ds64.abs().max()))
 
 
+@pytest.mark.parametrize("dtype, res_dtype", [(torch.bfloat16, torch.float32), (torch.bfloat16, torch.float16),
+                                              (torch.float32, torch.bfloat16)])
+def test_residual_of_another_dtype(dtype, res_dtype):
+    # The reference's residual.float() under torch.autocast: the stream comes back in x's dtype,
+    # bitwise; dresidual in the residual's dtype, of the fp64 reference's ds.
+    gen = torch.Generator().manual_seed(38)
+    for rows, n, stride in ((3, 111, None), (4, 512, 576), (4, 7168, None)):
+        x = rows_of(rows, n, dtype, gen, stride)
+        r = rows_of(rows, n, res_dtype, gen, stride, scale=4.0)
+        w = weight_of(n, gen)
+        dy, dres = rows_of(rows, n, dtype, gen), rows_of(rows, n, dtype, gen)
+        xg, rg = x.cuda().requires_grad_(), r.cuda().requires_grad_()
+        y, ro = dsnorm.fused_add_rms_norm(xg, rg, w.cuda(), EPS)
+        y_ref, ro_ref = fused_add_rms_norm_ref(x, r, w, EPS)
+        assert ro.dtype == dtype
+        assert_bitwise(ro.cpu(), ro_ref)
+        assert_y_close(y.cpu(), y_ref)
+        dx, dr = torch.autograd.grad((y, ro), (xg, rg), (dy.cuda(), dres.cuda()))
+        assert dx.dtype == dtype and dr.dtype == res_dtype
+        ds64, _ = rms_norm_backward_ref(dy, x.float() + r.float(), w, EPS)
+        ds64 = ds64 + dres.double()
+        _assert_grad_close(dr, ds64, float(ds64.abs().max()))
+        _assert_grad_close(dx, ds64, float(ds64.abs().max()))
+
+
 def test_chain_of_fused_norms_shares_the_residual_gradient(monkeypatch):
     # Along a chain (the residual is the previous fused norm's residual_out) the backward kernel
     # writes no dresidual (HAS_DR off) and dx serves both: the leaves' gradients are the bits of

@@ -130,6 +130,62 @@ def test_fp32_residual_stream(dtype):
         assert_y_close(y, y_ref, 1536)
 
 
+# x dtype, residual dtype: every pair of two different ones among bf16, fp16, fp32.
+MIXED = [(a, b) for a in DTYPES for b in DTYPES if a is not b]
+
+
+@pytest.mark.parametrize("dtype, res_dtype", MIXED)
+@pytest.mark.parametrize("shape", [(1, 1, 1536), (3, 769), (4096, 64)])  # the lane's decode size, the serial
+def test_residual_of_another_dtype_is_added_widened(dtype, res_dtype, shape):  # and the threaded kernels
+    # The reference adds residual.float() to x.float() whatever the residual's dtype and returns the
+    # sum in x.dtype (under torch.autocast the first block's ffn_norm gets a bf16 x and the fp32
+    # embedding): the same bits, in both residual roundings and with an fp32 stream.
+    x, r, w = _data(shape, dtype, 30), _data(shape, res_dtype, 31, scale=4.0), _weight(shape[-1])
+    for rounding, stream in (("fp32_sum", None), ("round_first", None), ("fp32_sum", torch.float32)):
+        y, res = dsnorm.fused_add_rms_norm(x, r, w, residual_rounding=rounding, residual_dtype=stream)
+        y_ref, res_ref = fused_add_rms_norm_ref(x, r, w, residual_rounding=rounding, residual_dtype=stream)
+        assert y.dtype == dtype and res.dtype == (stream or dtype)
+        assert bits_equal(res, res_ref)
+        assert_y_close(y, y_ref, shape[-1])
+    norm, ref = dsnorm.RMSNorm(shape[-1]), RMSNormRef(shape[-1])
+    with torch.no_grad():
+        norm.weight.copy_(w)
+        ref.weight.copy_(w)
+        for got, want in zip(norm(x, r), ref(x, r)):
+            assert got.dtype == want.dtype and bits_equal(got, want)
+
+
+def test_first_ffn_norm_under_autocast():
+    # Mixed precision with fp32 parameters: the attention's output is bf16 and the residual is the
+    # fp32 embedding. The reference runs it; so must the drop-in, with the same outputs.
+    g = torch.Generator().manual_seed(32)
+    emb = torch.randn(2, 5, 64, generator=g)
+    lin = torch.nn.Linear(64, 64)
+    norm, ref = dsnorm.RMSNorm(64), RMSNormRef(64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        h = lin(emb)
+        (y, res), (y_ref, res_ref) = norm(h, emb), ref(h, emb)
+    assert h.dtype == torch.bfloat16 and emb.dtype == torch.float32
+    assert res.dtype == res_ref.dtype == torch.bfloat16
+    assert bits_equal(y, y_ref) and bits_equal(res, res_ref)
+    (y.float().sum() + res.float().sum()).backward()
+    assert lin.weight.grad is not None and norm.weight.grad is not None
+
+
+def test_residuals_the_fused_form_refuses():
+    x, w = _data((2, 64), torch.bfloat16, 33), _weight(64)
+    # fp64: the reference rounds it to fp32 before the sum, a rounding the kernels do not make
+    with pytest.raises(TypeError, match="residual must be torch.bfloat16 or torch.float32 or torch.float16"):
+        dsnorm.fused_add_rms_norm(x, _data((2, 64), torch.float64, 34), w)
+    # in place the residual buffer is also the output: x's dtype or an fp32 stream only
+    with pytest.raises(TypeError, match="residual must be torch.bfloat16"):
+        dsnorm.fused_add_rms_norm_(x.clone(), _data((2, 64), torch.float16, 35), w)
+    # the fusions keep x's dtype
+    with pytest.raises(TypeError, match="residual must be torch.bfloat16"):
+        dsnorm.fused_add_rms_norm_fp8(_data((2, 128), torch.bfloat16, 36), _data((2, 128), torch.float32, 37),
+                                      torch.ones(128))
+
+
 def test_fp64_computed_in_fp64():
     x, r = _data((4, 1536), torch.float64, 14), _data((4, 1536), torch.float64, 15)
     w = _weight(1536).double()

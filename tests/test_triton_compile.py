@@ -78,6 +78,21 @@ SCRIPT = textwrap.dedent(
         check(compile_launch(kernels.rms_norm_bwd_kernel, args, meta), f"bwd {r}x{n} {dtype} {rdtype}", False, fp, bf16)
         launch.MAX_BLOCK_N = 8192
 
+    # A residual of another dtype than x's, the stream in x's dtype (the reference's residual.float()
+    # under torch.autocast): dresidual written apart, in the residual's dtype.
+    for dtype, rdtype in ((torch.bfloat16, torch.float32), (torch.bfloat16, torch.float16), (torch.float32, torch.bfloat16)):
+        w = torch.ones(512)
+        x, y, ro, res = rows(4, 512, dtype, 576), rows(4, 512, dtype), rows(4, 512, dtype), rows(4, 512, rdtype, 576)
+        _, args, meta = launch.forward_params(x, res, w, 1e-6, False, False, y, ro, torch.empty(4))
+        # bf16 stores (rounded by the hardware) only where a bf16 tensor is written: y and ro here
+        check(compile_launch(kernels.rms_norm_fwd_kernel, args, meta), f"fwd mixed {dtype} {rdtype}", True, "f32",
+              dtype == torch.bfloat16)
+        _, args, meta = launch.backward_params(rows(4, 512, dtype), x, res, w, torch.ones(4), rows(4, 512, dtype), False,
+                                               rows(4, 512, dtype), rows(4, 512, rdtype), launch.backward_partials(x, True))
+        assert meta["HAS_DR"]
+        check(compile_launch(kernels.rms_norm_bwd_kernel, args, meta), f"bwd mixed {dtype} {rdtype}", False, "f32",
+              torch.bfloat16 in (dtype, rdtype))
+
     # The pipelined backward (launch.BWD_NUM_STAGES, off by default): from 2 stages Triton issues the
     # row loads as asynchronous copies to shared memory; at 1 the kernel has none.
     w = torch.ones(7168)

@@ -502,6 +502,28 @@ def test_fused_backward(dtype, rounding, res_fp32):
     _check_backward(x, r, w, rstd, None, rounding == "round_first", s, gen)
 
 
+@pytest.mark.parametrize("dtype, res_dtype", [(torch.bfloat16, torch.float32), (torch.bfloat16, torch.float16),
+                                              (torch.float16, torch.bfloat16), (torch.float32, torch.bfloat16)])
+def test_residual_of_another_dtype(dtype, res_dtype):
+    # The reference's residual.float() under torch.autocast: a residual of another dtype than x's,
+    # the stream (residual_out, and its gradient) in x's dtype, dresidual in the residual's.
+    rows, n, stride = 2, 512, 576
+    gen = torch.Generator().manual_seed(19)
+    x = rows_of(rows, n, dtype, gen, stride)
+    r = rows_of(rows, n, res_dtype, gen, stride, scale=4.0)
+    w = weight_of(n, gen)
+    for rounding in ("fp32_sum", "round_first"):
+        y, ro, rstd = torch.empty(rows, n, dtype=dtype), torch.empty(rows, n, dtype=dtype), torch.empty(rows)
+        launch.forward(x, r, w, EPS, False, rounding == "round_first", y, ro, rstd)
+        y_ref, ro_ref = fused_add_rms_norm_ref(x, r, w, EPS, "deepseek", rounding, None)
+        assert_bitwise(ro, ro_ref)
+        assert_close_y(y, y_ref)
+        s = x.float() + r.float()
+        if rounding == "round_first":
+            s = s.to(dtype).float()
+        _check_backward(x, r, w, rstd, rows_of(rows, n, dtype, gen, stride), rounding == "round_first", s, gen)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_multi_block_backward(small_blocks, dtype):
     rows, n = 5, 200  # 4 column blocks; 2 or 3 rows per program
@@ -754,6 +776,15 @@ def test_public_api_through_the_triton_launchers(monkeypatch):
     xs = x.float().clone().requires_grad_()
     dsnorm.rms_norm(xs, w).sum().backward()
     assert xs.grad.shape == x.shape and torch.isfinite(xs.grad).all()
+    # A residual of another dtype (fp32 under torch.autocast), through autograd.
+    xs, rs = x.clone().requires_grad_(), r.float().clone().requires_grad_()
+    y, res = dsnorm.fused_add_rms_norm(xs, rs, w)
+    y_ref, res_ref = fused_add_rms_norm_ref(x, r.float(), w)
+    assert res.dtype == torch.bfloat16
+    assert_bitwise(res, res_ref)
+    assert_close_y(y, y_ref)
+    (y.float().sum() + res.float().sum()).backward()
+    assert xs.grad.dtype == torch.bfloat16 and rs.grad.dtype == torch.float32 and torch.isfinite(rs.grad).all()
 
 
 def test_chain_through_the_triton_launchers(monkeypatch):

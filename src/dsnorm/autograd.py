@@ -159,8 +159,18 @@ def _fused_backward(what, ctx, dy, dresidual_out):
 
 
 def _fused_grads(ctx, dy_in, dresidual_out, x, residual, weight, rstd):
-    dy = torch.zeros_like(x) if dy_in is None else _dense(dy_in)
     dro = None if dresidual_out is None else _dense(dresidual_out)
+    if dy_in is None:
+        # y unused (only the new residual stream is): as in the reference's graph, the gradient
+        # reaches x and residual through s = x + residual alone, widened and rounded to each one's
+        # dtype, and the weight gets none (its .grad stays None, where a zero gradient would still
+        # move it under weight decay); nothing passes through the norm, whose xhat * 0 would be NaN
+        # for an infinite s.
+        if dro is None:
+            return None, None, None
+        dx = dro.to(x.dtype, copy=True)
+        return dx, dx if ctx.share_dresidual else dro.to(residual.dtype, copy=True), None
+    dy = _dense(dy_in)
     if (_direct(dy, x, residual, weight, rstd, *(() if dro is None else (dro,)))
             and not (_legacy_batched(dy) or (dro is not None and _legacy_batched(dro)))):
         if not ops.backward_inputs_match(dy, x, weight, rstd, residual, dro):
@@ -384,23 +394,25 @@ def fused_add_rms_norm(
 
     Args:
         x: ``[..., n]`` float32 / bfloat16 / float16 / float64; the block's output.
-        residual: ``[..., n]`` residual stream, ``x.dtype`` (or float32 with
+        residual: ``[..., n]`` residual stream; bf16 / fp16 / fp32 beside such an ``x``, added
+            widened as the reference's ``residual.float()`` (fp64 ``x``: fp64, or fp32 with
             ``residual_dtype=torch.float32``).
         weight: ``[n]`` gain (float32 canonical; bf16/fp16 widened exactly).
         eps: > 0, with a nonzero finite float32 rounding (about 1.4e-45 to 3.4e38).
         cast: ``"deepseek"`` or ``"hf"`` (see :func:`rms_norm`).
         residual_rounding: ``"fp32_sum"`` (reference: normalise the unrounded sum) or
             ``"round_first"`` (vLLM CUDA / Liger: normalise ``s.to(x.dtype)``).
-        residual_dtype: ``None`` (residual returned in ``x.dtype``) or ``torch.float32`` (the
-            residual stream kept in fp32; contradicts ``"round_first"``).
+        residual_dtype: ``None`` (residual returned in ``x.dtype``, whatever the residual's) or
+            ``torch.float32`` (the residual stream kept in fp32; contradicts ``"round_first"``).
 
     Returns:
         ``(y, residual_out)``: ``y`` in ``x.dtype``; ``residual_out = s`` in ``residual_dtype``
         (``x.dtype`` by default), both fresh contiguous ``[..., n]`` tensors.
 
-    Gradients: those of ``x`` and ``residual`` (both the gradient of ``s``) are one tensor, written
-    once, in eager code where the residual is an output of another fused norm (its
-    ``residual_out``, in a chain of blocks) in ``x.dtype``; elsewhere two tensors.
+    Gradients: those of ``x`` and ``residual`` (both the gradient of ``s``, each in its own dtype)
+    are one tensor, written once, in eager code where the residual is an output of another fused
+    norm (its ``residual_out``, in a chain of blocks) in ``x.dtype``; elsewhere two tensors. With
+    ``y`` unused the weight gets no gradient (``None``), as in the reference.
     """
     lane = None if _is_compiling() else ops.lane
     if lane is not None:

@@ -180,8 +180,27 @@ def check_weight(weight: torch.Tensor, x: torch.Tensor, x_name: str = "x") -> No
         )
 
 
+# The residual dtypes the fused form adds to an x of these dtypes: the reference adds
+# ``residual.float()`` to ``x.float()`` whatever the residual's dtype, and returns the sum in
+# x.dtype. Under torch.autocast, for one, the first block's ffn_norm gets a bf16 x and the fp32
+# embedding as its residual. Each widens to fp32 exactly, so the kernels' sum is the reference's.
+# An fp64 residual is refused beside them: the reference rounds it to fp32 before the sum, a
+# rounding the CPU kernel's widening add does not make. fp64 x keeps its own dtype (or fp32 with
+# residual_dtype=torch.float32): it is computed in fp64, not as the reference's x.float().
+_WIDENED_RESIDUALS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def residual_dtypes(x_dtype: torch.dtype, residual_dtype, mixed: bool = True) -> tuple:
+    """The residual dtypes accepted beside an x of ``x_dtype`` (x's own first). ``mixed=False``:
+    x.dtype, or also float32 with ``residual_dtype=torch.float32`` (the in-place form, whose
+    residual buffer is also its output, and the fusions)."""
+    if mixed and x_dtype in _WIDENED_RESIDUALS:
+        return (x_dtype,) + tuple(d for d in _WIDENED_RESIDUALS if d is not x_dtype)
+    return (x_dtype,) if residual_dtype is None else tuple(dict.fromkeys((x_dtype, torch.float32)))
+
+
 def check_residual(residual: torch.Tensor, x: torch.Tensor, residual_dtype, name: str = "residual",
-                   fp32_hint: bool = True, x_name: str = "x") -> None:
+                   fp32_hint: bool = True, x_name: str = "x", mixed: bool = True) -> None:
     if not isinstance(residual, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(residual).__name__}")
     check_dense(residual, name)
@@ -189,7 +208,7 @@ def check_residual(residual: torch.Tensor, x: torch.Tensor, residual_dtype, name
         raise ValueError(f"{name} must have {x_name}'s shape {tuple(x.shape)}, got {tuple(residual.shape)}")
     if residual.device != x.device:
         raise ValueError(f"{name} must be on {x_name}'s device {x.device}, got {residual.device}")
-    allowed = (x.dtype,) if residual_dtype is None else (x.dtype, torch.float32)
+    allowed = residual_dtypes(x.dtype, residual_dtype, mixed)
     if residual.dtype not in allowed:
         want = " or ".join(str(d) for d in dict.fromkeys(allowed))
         hint = ""
@@ -488,7 +507,7 @@ def check_inplace(x, residual) -> None:
     """In place, the residual buffer's own dtype decides the stream: x.dtype, or fp32."""
     if not isinstance(residual, torch.Tensor):
         raise TypeError(f"residual must be a torch.Tensor, got {type(residual).__name__}")
-    check_residual(residual, x, torch.float32 if residual.dtype == torch.float32 else None)
+    check_residual(residual, x, torch.float32 if residual.dtype == torch.float32 else None, mixed=False)
     for name, t in (("x", x), ("residual", residual)):
         if not rows_viewable(t):
             raise ValueError(
@@ -608,6 +627,10 @@ def check_backward(dy, x, weight, rstd, residual=None, dresidual_out=None) -> No
         _check_like(dresidual_out, "dresidual_out", x, tuple(dict.fromkeys((x.dtype, torch.float32))))
 
 
+# What check_backward accepts as the residual beside each x dtype (either residual_dtype).
+_BACKWARD_RESIDUALS = {d: residual_dtypes(d, torch.float32) for d in (torch.float64, *_WIDENED_RESIDUALS)}
+
+
 def backward_inputs_match(dy, x, weight, rstd, residual=None, dresidual_out=None) -> bool:
     """What the kernels rely on of check_backward's rules, as one cheap predicate (~1.5 us against
     ~4), for inputs that passed the forward's checks: shapes, dtypes and devices against dy's, and
@@ -618,7 +641,7 @@ def backward_inputs_match(dy, x, weight, rstd, residual=None, dresidual_out=None
             and weight.dtype == rstd.dtype == compute_dtype(x.dtype) and weight.is_contiguous()
             and x.get_device() == weight.get_device() == rstd.get_device() == device
             and (residual is None or (residual.shape == shape and residual.get_device() == device
-                                      and residual.dtype in (x.dtype, torch.float32)))
+                                      and residual.dtype in _BACKWARD_RESIDUALS.get(x.dtype, ())))
             and (dresidual_out is None or (dresidual_out.shape == shape and dresidual_out.get_device() == device
                                            and dresidual_out.dtype in (x.dtype, torch.float32))))
 
