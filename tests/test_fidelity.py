@@ -177,11 +177,15 @@ def test_residuals_the_fused_form_refuses():
     # fp64: the reference rounds it to fp32 before the sum, a rounding the kernels do not make
     with pytest.raises(TypeError, match="residual must be torch.bfloat16 or torch.float32 or torch.float16"):
         dsnorm.fused_add_rms_norm(x, _data((2, 64), torch.float64, 34), w)
-    # in place the residual buffer is also the output: x's dtype or an fp32 stream only
-    with pytest.raises(TypeError, match="residual must be torch.bfloat16"):
-        dsnorm.fused_add_rms_norm_(x.clone(), _data((2, 64), torch.float16, 35), w)
+    # in place the residual buffer is also the output: x's dtype or an fp32 stream only, eagerly
+    # and under fake tensors alike (what torch.compile and torch.export trace with)
+    inplace = r"residual must be torch.bfloat16 or torch.float32 \(in place: x's dtype, or an fp32 residual stream\)"
+    r16 = _data((2, 64), torch.float16, 35)
+    for device in ("cpu", "meta"):
+        with pytest.raises(TypeError, match=inplace + ", got torch.float16"):
+            dsnorm.fused_add_rms_norm_(x.clone().to(device), r16.to(device), w.to(device))
     # the fusions keep x's dtype
-    with pytest.raises(TypeError, match="residual must be torch.bfloat16"):
+    with pytest.raises(TypeError, match=r"residual must be torch.bfloat16 \(the fusions take x's dtype\)"):
         dsnorm.fused_add_rms_norm_fp8(_data((2, 128), torch.bfloat16, 36), _data((2, 128), torch.float32, 37),
                                       torch.ones(128))
 

@@ -125,7 +125,7 @@ def _rms_norm_fp8_impl(x, weight, eps, scale_fmt, block_size, return_normed):
 
 def _fused_fp8_impl(x, residual, weight, eps, scale_fmt, block_size, return_normed):
     _check_fp8(x, weight, eps, scale_fmt, block_size, return_normed)
-    ops.check_residual(residual, x, None, fp32_hint=False, mixed=False)
+    ops.check_residual(residual, x, None, fp32_hint=False, mixed=False, why="the fusions take x's dtype")
     x = ops.readable_rows(x)
     residual = ops.readable_rows(residual)
     launcher = _launcher(x)
@@ -142,7 +142,7 @@ def _check_final(h, residual, weight, eps, lengths):
         raise ValueError(f"h must be [batch, seq, dim] (3-D), got shape {tuple(h.shape)}")
     if h.shape[1] == 0:
         raise ValueError(f"h must have at least one position (seq >= 1), got shape {tuple(h.shape)}")
-    ops.check_residual(residual, h, None, fp32_hint=False, mixed=False, x_name="h")
+    ops.check_residual(residual, h, None, fp32_hint=False, mixed=False, x_name="h", why="the fusions take h's dtype")
     ops.check_weight(weight, h, "h")
     ops.check_options(eps, "deepseek")
     if lengths is not None:
@@ -250,7 +250,7 @@ def _rms_norm_fp8_fake(x, weight, eps, scale_fmt, block_size, return_normed):
 @torch.library.register_fake("dsnorm::fused_add_rms_norm_fp8", lib=lib)
 def _fused_fp8_fake(x, residual, weight, eps, scale_fmt, block_size, return_normed):
     _check_fp8(x, weight, eps, scale_fmt, block_size, return_normed)
-    ops.check_residual(residual, x, None, fp32_hint=False, mixed=False)
+    ops.check_residual(residual, x, None, fp32_hint=False, mixed=False, why="the fusions take x's dtype")
     q, scales, y = _fp8_outputs(x, block_size, return_normed, _fake_empty)
     return q, scales, _fake_empty(x, x.dtype), y
 

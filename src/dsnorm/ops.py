@@ -200,7 +200,10 @@ def residual_dtypes(x_dtype: torch.dtype, residual_dtype, mixed: bool = True) ->
 
 
 def check_residual(residual: torch.Tensor, x: torch.Tensor, residual_dtype, name: str = "residual",
-                   fp32_hint: bool = True, x_name: str = "x", mixed: bool = True) -> None:
+                   fp32_hint: bool = True, x_name: str = "x", mixed: bool = True, why: str | None = None) -> None:
+    """The residual beside ``x``: a dense tensor of x's shape and device, of a dtype
+    ``residual_dtypes`` accepts. ``why``: the rule the dtype error states (default: the
+    ``residual_dtype`` option's)."""
     if not isinstance(residual, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(residual).__name__}")
     check_dense(residual, name)
@@ -214,7 +217,14 @@ def check_residual(residual: torch.Tensor, x: torch.Tensor, residual_dtype, name
         hint = ""
         if residual.dtype == torch.float32 and fp32_hint:
             hint = "; pass residual_dtype=torch.float32 to carry an fp32 residual stream"
-        raise TypeError(f"{name} must be {want} (residual_dtype={residual_dtype}), got {residual.dtype}{hint}")
+        why = why or f"residual_dtype={residual_dtype}"
+        raise TypeError(f"{name} must be {want} ({why}), got {residual.dtype}{hint}")
+
+
+def check_inplace_residual(residual: torch.Tensor, x: torch.Tensor) -> None:
+    """In place the residual buffer is also the output: x's dtype, or an fp32 stream (its own
+    dtype decides which)."""
+    check_residual(residual, x, torch.float32, mixed=False, why="in place: x's dtype, or an fp32 residual stream")
 
 
 def _rstd_like(x: torch.Tensor) -> torch.Tensor:
@@ -507,7 +517,7 @@ def check_inplace(x, residual) -> None:
     """In place, the residual buffer's own dtype decides the stream: x.dtype, or fp32."""
     if not isinstance(residual, torch.Tensor):
         raise TypeError(f"residual must be a torch.Tensor, got {type(residual).__name__}")
-    check_residual(residual, x, torch.float32 if residual.dtype == torch.float32 else None, mixed=False)
+    check_inplace_residual(residual, x)
     for name, t in (("x", x), ("residual", residual)):
         if not rows_viewable(t):
             raise ValueError(
@@ -634,8 +644,7 @@ _BACKWARD_RESIDUALS = {d: residual_dtypes(d, torch.float32) for d in (torch.floa
 def backward_inputs_match(dy, x, weight, rstd, residual=None, dresidual_out=None) -> bool:
     """What the kernels rely on of check_backward's rules, as one cheap predicate (~1.5 us against
     ~4), for inputs that passed the forward's checks: shapes, dtypes and devices against dy's, and
-    a unit-stride weight. (dresidual_out's shape follows from dy's only when dy was given: else dy
-    is zeros like the saved x.)"""
+    a unit-stride weight."""
     shape, device = dy.shape, dy.get_device()
     return (x.shape == shape and x.dtype == dy.dtype and weight.shape == shape[-1:] and rstd.shape == shape[:-1]
             and weight.dtype == rstd.dtype == compute_dtype(x.dtype) and weight.is_contiguous()
@@ -784,7 +793,7 @@ def _fused_inplace_fake(x, residual, weight, eps, cast, residual_rounding):
     check_input(x)
     if not isinstance(residual, torch.Tensor):
         raise TypeError(f"residual must be a torch.Tensor, got {type(residual).__name__}")
-    check_residual(residual, x, torch.float32 if residual.dtype == torch.float32 else None)
+    check_inplace_residual(residual, x)
     check_weight(weight, x)
     check_options(eps, cast, residual_rounding, torch.float32 if residual.dtype != x.dtype else None)
     if torch._C._is_alias_of(x, residual):

@@ -200,7 +200,8 @@ def _forward_row(X, R, Y, RO, RSTD, row64, stride_x, stride_r, stride_y, stride_
 @triton.jit
 def rms_norm_fwd_kernel(
     X,  # [rows, n] input (fp32/bf16/fp16/fp64); its dtype is the output dtype and round-first's
-    R,  # [rows, n] residual (x's dtype or fp32); any valid pointer when HAS_RESIDUAL is off
+    R,  # [rows, n] residual (bf16/fp16/fp32 beside such an x, x's dtype or fp32 beside fp64); any
+    # valid pointer when HAS_RESIDUAL is off
     W,  # [n] weight in the compute dtype, contiguous
     Y,  # [rows, n] output in x's dtype; may be X itself (in place)
     RO,  # [rows, n] residual_out (the normalised sum s); may be R itself; unused unless HAS_RESIDUAL_OUT
