@@ -140,6 +140,42 @@ def test_reference_class_becomes_deepseek_cast(cls):
             assert torch.equal(y, y0) and torch.equal(res, res0)
 
 
+def test_patch_keeps_an_fp32_gain_parameter_an_optimizer_holds():
+    # Patched mid-training: the optimizer (and DDP, an EMA) built before the patch hold the fp32
+    # gain Parameter; the new module keeps that very object, so training goes on updating it, as
+    # the unpatched model does. A 16-bit gain becomes a new fp32 Parameter (documented).
+    def run(patch_at):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 16), RMSNorm(16), nn.Linear(16, 16), nn.RMSNorm(16))
+        # SGD: the runs' few-ulp gradient differences stay that small (Adam's normalisation would
+        # blow those of near-zero gradients up)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
+        data = torch.randn(5, 4, 16, generator=torch.Generator().manual_seed(1))
+        for step in range(5):
+            if step == patch_at:
+                gains = (model[1].weight, model[3].weight)
+                at_patch = [g.detach().clone() for g in gains]
+                assert len(patch(model).replaced) == 2
+                assert model[1].weight is gains[0] and model[3].weight is gains[1]
+            opt.zero_grad()
+            model(data[step]).square().mean().backward()
+            opt.step()
+        if patch_at is not None:  # the gains went on training after the patch
+            assert not torch.equal(model[1].weight, at_patch[0]) and not torch.equal(model[3].weight, at_patch[1])
+        return [p.detach().clone() for p in model.parameters()], model
+
+    unpatched, _ = run(None)
+    patched, model = run(2)
+    assert isinstance(model[1], dsnorm.RMSNorm) and isinstance(model[3], dsnorm.RMSNorm)
+    # the same training (dsnorm's weight gradient is not bitwise autograd's: a few fp32 ulps)
+    for a, b in zip(patched, unpatched):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    bf16 = nn.Sequential(nn.Linear(8, 8), nn.RMSNorm(8, dtype=torch.bfloat16))
+    old = bf16[1].weight
+    patch(bf16)
+    assert bf16[1].weight is not old and bf16[1].weight.dtype == torch.float32
+
+
 @pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")
 @pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("eps", [None, 1e-6])

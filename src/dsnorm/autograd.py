@@ -413,7 +413,7 @@ def fused_add_rms_norm(
     are one tensor, written once, in eager code where the residual is an output of another fused
     norm (its ``residual_out``, in a chain of blocks) in ``x.dtype``; elsewhere two tensors. With
     ``y`` unused, eager code gives the weight no gradient (``None``), as the reference does
-    (compiled code gets zeros: AOTAutograd hands in a zero gradient for ``y``).
+    (under torch.compile zeros: the traced backward is handed a zero gradient for ``y``).
     """
     lane = None if _is_compiling() else ops.lane
     if lane is not None:

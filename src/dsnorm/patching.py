@@ -406,9 +406,12 @@ def patch(model: nn.Module, *, probe: bool = True) -> PatchReport:
     (with a float32, bf16 or fp16 weight a :class:`PromotingHFRMSNorm`, which also returns HF's
     promoted fp32 result for inputs of another 16-bit dtype; Llama-style classes of the other order,
     found by the probe, ``"deepseek"``);
-    the 1-D weight is copied exactly into dsnorm's float32 ``weight[dim]`` on the same device, with
-    its ``requires_grad``; eps is read from the module. A module shared under several names is
-    replaced by one shared dsnorm module, a gain tied between modules by one shared parameter.
+    a float32 weight ``Parameter`` becomes the new module's ``weight`` itself (the same object, so
+    an optimizer, DDP or EMA built before the patch still updates it), any other 1-D weight is
+    copied exactly into dsnorm's float32 ``weight[dim]`` on the same device, with its
+    ``requires_grad`` (a new Parameter: optimizers built before the patch must be rebuilt); eps is
+    read from the module. A module shared under several names is replaced by one shared dsnorm
+    module, a gain tied between modules by one shared parameter.
     Modules with hooks, a forward replaced on the instance, a parametrised weight or a forward that
     takes more than dsnorm's ``(x[, residual])`` (gated norms) are left alone.
 
@@ -454,9 +457,14 @@ def patch(model: nn.Module, *, probe: bool = True) -> PatchReport:
             diffs = []
             for option in options if probe else options[:1]:
                 new = option.cls(w.shape[0], eps, cast=option.cast, device=w.device, **option.kwargs)
-                with torch.no_grad():
-                    new.weight.copy_(w.detach().to(torch.float32))
-                new.weight.requires_grad_(w.requires_grad)
+                if isinstance(w, nn.Parameter) and w.dtype is torch.float32:
+                    # The same Parameter: an optimizer, DDP or a tied module holding it before the
+                    # patch still sees (and trains) the gain; a copy would leave them a dead one.
+                    new.weight = w
+                else:
+                    with torch.no_grad():
+                        new.weight.copy_(w.detach().to(torch.float32))
+                    new.weight.requires_grad_(w.requires_grad)
                 new.train(old.training)
                 if probe:
                     try:
