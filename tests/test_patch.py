@@ -172,8 +172,10 @@ def test_patch_keeps_an_fp32_gain_parameter_an_optimizer_holds():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     bf16 = nn.Sequential(nn.Linear(8, 8), nn.RMSNorm(8, dtype=torch.bfloat16))
     old = bf16[1].weight
-    patch(bf16)
+    rep = patch(bf16)
     assert bf16[1].weight is not old and bf16[1].weight.dtype == torch.float32
+    assert "bfloat16 weight copied into a new float32 Parameter" in rep.replaced[0].reason
+    assert "copied" not in patch(nn.Sequential(nn.Linear(8, 8), nn.RMSNorm(8))).replaced[0].reason
 
 
 @pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")

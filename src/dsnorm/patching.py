@@ -476,6 +476,9 @@ def patch(model: nn.Module, *, probe: bool = True) -> PatchReport:
                         new = None
                         continue
                 why = option.reason
+                if new.weight is not w and isinstance(w, nn.Parameter):
+                    why += (f"; its {str(w.dtype)[6:]} weight copied into a new float32 Parameter (an optimizer "
+                            "built before the patch no longer holds it)")
                 break
             if new is None:
                 report.left.append(PatchEntry(name, cls, False, "; ".join(diffs)))
