@@ -178,6 +178,33 @@ def test_patch_keeps_an_fp32_gain_parameter_an_optimizer_holds():
     assert "copied" not in patch(nn.Sequential(nn.Linear(8, 8), nn.RMSNorm(8))).replaced[0].reason
 
 
+def test_a_kept_hf_gain_cast_through_another_owner():
+    # The kept fp32 Parameter is also the replaced module's (a user may still hold it) and may be
+    # tied to another module: a cast through one of those reaches the patched norm without its
+    # _apply. The gain is the weight as it is then, as HF's: nothing stale from an earlier cast.
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    g = torch.Generator().manual_seed(9)
+    model = nn.Sequential(nn.Linear(16, 16), LlamaRMSNorm(16))
+    with torch.no_grad():
+        model[1].weight.copy_(1 + 0.3 * torch.randn(16, generator=g))
+    unpatched, held = copy.deepcopy(model), model[1]
+    patch(model)
+    assert model[1].gain_is_weight and model[1].weight is held.weight
+    x = torch.randn(4, 16, generator=g)
+    for m, norm in ((model, held), (unpatched, unpatched[1])):
+        m.half()
+        norm.float()  # "keep the norm in fp32", through the module the user holds
+        with torch.no_grad():
+            norm.weight.mul_(1.0001)  # an fp32 update the fp16 gain could not hold
+    for dtype in (torch.float16, torch.float32):
+        got, want = model[1](x.to(dtype)), unpatched[1](x.to(dtype))
+        assert got.dtype == want.dtype and torch.equal(got, want), dtype
+    model.to(torch.bfloat16)
+    unpatched.to(torch.bfloat16)
+    assert torch.equal(model[1].weight, unpatched[1].weight)
+
+
 @pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")
 @pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("eps", [None, 1e-6])
@@ -438,16 +465,20 @@ def test_promoting_norm_gain_follows_the_weight_and_foreign_applies():
         x = (3 * torch.randn(5, 48, generator=gen)).to(dtype)
         want, got = hf(x), ours(x)
         assert got.dtype == want.dtype and torch.equal(got, want), dtype
-    # _apply's probe never needs the weight, and a fn that refuses foreign tensors is tolerated.
-    ours.weight = None
-    ours.half()
-    assert ours.gain_dtype == torch.float16
+    # A gain that an fp32 weight stands for (patched from a 16-bit HF gain; here made directly)
+    # follows the module's casts. _apply's probe never needs the weight, and a fn that refuses
+    # foreign tensors is tolerated.
+    stand_in = PromotingHFRMSNorm(48, gain_dtype=torch.bfloat16)
+    assert not stand_in.gain_is_weight and ours.gain_is_weight  # patch kept HF's fp32 Parameter
+    stand_in.weight = None
+    stand_in.half()
+    assert stand_in.gain_dtype == torch.float16
     def own_tensors_only(t):
         if t.numel() == 0:
             raise RuntimeError("not one of mine")
         return t
-    ours._apply(own_tensors_only)
-    assert ours.gain_dtype == torch.float16
+    stand_in._apply(own_tensors_only)
+    assert stand_in.gain_dtype == torch.float16
 
 
 def test_promoting_norm_loads_state_dicts_and_norms_as_hf_would(tmp_path):

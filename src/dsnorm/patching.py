@@ -176,6 +176,8 @@ class PromotingHFRMSNorm(RMSNorm):
     The gain's dtype is the weight's own when that is not fp32 (after ``.to(torch.bfloat16)`` or a
     mixed-precision wrapper's cast, as HF's gain would be), else ``gain_dtype``: the dtype of the
     gain the fp32 weight stands for, which follows the module's casts (``.half()``, ``.float()``).
+    Where the weight is HF's own fp32 Parameter (``gain_is_weight``, as :func:`patch` keeps it),
+    the gain is the weight in whatever dtype it holds, as HF's is.
     The gain is the weight rounded to that dtype, as HF's parameter would hold it (an fp32 value
     copied in by ``load_state_dict`` is rounded where it is used, not where it is stored, so a
     model reloading its own state_dict is unchanged; :func:`dsnorm.load_norms` refuses such
@@ -184,6 +186,10 @@ class PromotingHFRMSNorm(RMSNorm):
     """
 
     gain_dtype = torch.float32  # also for modules pickled before gain_dtype existed (fp32 gains only)
+    # True where the weight is HF's own fp32 Parameter (patch keeps it): the gain is the weight as it
+    # is, in whatever dtype it holds, as HF's is; gain_dtype then stays float32 and follows no cast,
+    # so a cast that reaches the shared Parameter some other way (another owner) leaves nothing stale.
+    gain_is_weight = False
 
     def __init__(self, dim: int, eps: float = EPS, *, gain_dtype: torch.dtype = torch.float32, **kwargs):
         if gain_dtype not in _GAIN_DTYPES:
@@ -228,6 +234,8 @@ class PromotingHFRMSNorm(RMSNorm):
         # What this cast does to a tensor of the gain's dtype is what it would do to HF's gain. A
         # caller's fn that takes only its own tensors may refuse the probe; the weight's dtype then
         # still says what a dtype cast did (_gain_dtype).
+        if self.gain_is_weight:
+            return super()._apply(fn, recurse)
         weight = self._parameters.get("weight")
         try:
             gain = fn(torch.empty(0, dtype=self.gain_dtype, device="cpu" if weight is None else weight.device)).dtype
@@ -461,6 +469,8 @@ def patch(model: nn.Module, *, probe: bool = True) -> PatchReport:
                     # The same Parameter: an optimizer, DDP or a tied module holding it before the
                     # patch still sees (and trains) the gain; a copy would leave them a dead one.
                     new.weight = w
+                    if isinstance(new, PromotingHFRMSNorm):
+                        new.gain_is_weight = True
                 else:
                     with torch.no_grad():
                         new.weight.copy_(w.detach().to(torch.float32))
@@ -477,8 +487,8 @@ def patch(model: nn.Module, *, probe: bool = True) -> PatchReport:
                         continue
                 why = option.reason
                 if new.weight is not w and isinstance(w, nn.Parameter):
-                    why += (f"; its {str(w.dtype)[6:]} weight copied into a new float32 Parameter (an optimizer "
-                            "built before the patch no longer holds it)")
+                    why += (f"; its {str(w.dtype)[6:]} weight copied into a new float32 Parameter (an optimizer, "
+                            "DDP or EMA built before the patch holds the old one, which the model no longer uses)")
                 break
             if new is None:
                 report.left.append(PatchEntry(name, cls, False, "; ".join(diffs)))
