@@ -247,6 +247,17 @@ def test_left_alone_with_reasons():
         def forward(self, x):
             return x * self.weight
 
+    class LazyRMSNorm(nn.Module):
+        """A lazy module's norm: no shape or values until its first forward."""
+
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.parameter.UninitializedParameter()
+            self.variance_epsilon = 1e-6
+
+        def forward(self, x):
+            return x
+
     model = nn.ModuleDict({
         "gemma": GemmaRMSNorm(32),
         "no_weight": nn.RMSNorm(32, elementwise_affine=False),
@@ -255,6 +266,7 @@ def test_left_alone_with_reasons():
         "eps_huge_int": nn.RMSNorm(32, eps=10**400),
         "offset": OffsetRMSNorm(32).to(torch.bfloat16),
         "unknown": MyRMSNorm(32),
+        "lazy": LazyRMSNorm(),
         "done": dsnorm.RMSNorm(32),
         "linear": nn.Linear(4, 4),
     })
@@ -262,7 +274,9 @@ def test_left_alone_with_reasons():
     rep = patch(model)
     assert not rep.replaced
     why = {e.name: e.reason for e in rep.left}
-    assert set(why) == {"gemma", "no_weight", "two_d", "eps_zero", "eps_huge_int", "offset", "unknown", "done"}
+    assert set(why) == {"gemma", "no_weight", "two_d", "eps_zero", "eps_huge_int", "offset", "unknown", "lazy",
+                        "done"}
+    assert "uninitialised (a lazy module)" in why["lazy"]
     assert "eps is 0.0: dsnorm takes eps > 0" in why["eps_zero"]
     assert "dsnorm takes eps > 0" in why["eps_huge_int"]
     assert "(1 + weight)" in why["gemma"]

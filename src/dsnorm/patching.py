@@ -99,6 +99,8 @@ def _weight_1d(module: nn.Module) -> torch.Tensor:
         raise _Leave("no weight (nothing to keep; dsnorm always has a gain)")
     if not isinstance(w, torch.Tensor):
         raise _Leave(f"weight is a {type(w).__name__}, not a tensor")
+    if isinstance(w, nn.parameter.UninitializedTensorMixin):  # a lazy module's: no shape or values yet
+        raise _Leave("weight is uninitialised (a lazy module): run a forward or materialise it first, then patch")
     if w.dim() != 1:
         raise _Leave(f"weight is {w.dim()}-D {list(w.shape)}: dsnorm normalises over the last axis only")
     if w.is_meta:
