@@ -548,6 +548,30 @@ def test_inplace_takes_interleaved_rows_that_share_no_element(dtype):
         dsnorm.fused_add_rms_norm_(buf[:, :64], buf[:, 32:96], w)
 
 
+@pytest.mark.parametrize("rows", [2, 4096])  # the fast lane and the thread pool's size
+@pytest.mark.parametrize("where", ["x", "residual", "residual fp32 stream"])
+def test_inplace_refuses_a_weight_that_shares_memory_with_what_it_writes(rows, where):
+    # The kernel reads the weight while it writes x and residual: a weight that is a row of either
+    # gave wrong values without an error (found by review), where torch's in-place ops refuse.
+    dtype = torch.bfloat16 if where == "residual fp32 stream" else torch.float32
+    x, res = _rand((rows, 64), dtype, 80), _rand((rows, 64), torch.float32 if dtype != torch.float32 else dtype, 81)
+    w = (x if where == "x" else res)[rows - 1]
+    if where == "residual fp32 stream":
+        w = res[0]
+    before = (x.clone(), res.clone())
+    for call in (lambda: dsnorm.fused_add_rms_norm_(x, res, w),
+                 lambda: torch.ops.dsnorm.fused_add_rms_norm_(x, res, w, 1e-6, "deepseek", "fp32_sum")):
+        with pytest.raises(ValueError, match=f"weight must not share memory with {where.split()[0]}"):
+            call()
+        assert bits_equal(x, before[0]) and bits_equal(res, before[1])
+    # A weight in the same storage but apart from both is read whole before anything is written.
+    buf = torch.rand(3 * rows * 64 + 64) + 0.5
+    x, res, w = buf[: rows * 64].view(rows, 64), buf[rows * 64: 2 * rows * 64].view(rows, 64), buf[-64:]
+    want_y, want_res = fused_add_rms_norm_ref(x.clone(), res.clone(), w.clone())
+    dsnorm.fused_add_rms_norm_(x, res, w)
+    assert bits_equal(x, want_y) and bits_equal(res, want_res)
+
+
 @pytest.mark.parametrize("rows", [4, 4096])  # the fast lane and the thread pool's size
 def test_inplace_refuses_two_storages_over_one_memory(rows):
     # torch.from_numpy of two views of one array gives two storages over the same bytes: the overlap

@@ -1358,7 +1358,9 @@ def lane(form, x, residual, weight, eps, cast, residual_rounding, residual_dtype
         launch(numel // n, n, code, x_addr, n, r_addr, w_addr, y.data_ptr(), residual_out.data_ptr(), eps,
                cast_hf, round_first)
         return y, residual_out
-    if not (x_addr + nbytes <= r_addr or r_addr + nbytes <= x_addr):
+    w_end = w_addr + 4 * n  # the weight is read while x and residual are written: apart from both
+    if not ((x_addr + nbytes <= r_addr or r_addr + nbytes <= x_addr) and (w_end <= x_addr or x_addr + nbytes <= w_addr)
+            and (w_end <= r_addr or r_addr + nbytes <= w_addr)):
         return None
     if not _inference_mode_enabled() and (x.is_inference() or residual.is_inference()):
         return None  # torch writes an inference tensor only in inference mode: the general path says so

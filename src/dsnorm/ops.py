@@ -533,6 +533,15 @@ def check_inplace(x, residual) -> None:
         raise ValueError("x and residual must not share memory in the in-place form")
 
 
+def check_inplace_weight(weight, x, residual) -> None:
+    """The kernel reads the weight while it writes x and residual (torch's in-place ops refuse the
+    same: ``a.mul_(a[0])``)."""
+    for name, t in (("x", x), ("residual", residual)):
+        if _overlaps(weight, t):
+            raise ValueError(f"weight must not share memory with {name} in the in-place form (it is read "
+                             f"while {name} is written); pass weight.clone()")
+
+
 def _rows_overlap(t: torch.Tensor) -> bool:
     """Whether two rows of a rows-viewable tensor share memory (a row stride below the width)."""
     n = t.shape[-1]
@@ -571,17 +580,19 @@ def _rows_interleave(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _inplace_common_case(x, residual, weight) -> bool:
-    """What check_input, check_weight and check_inplace would prove, for contiguous same-dtype
-    rows in separate memory, in a few attribute reads."""
+    """What check_input, check_weight, check_inplace and check_inplace_weight would prove, for
+    contiguous same-dtype rows and an fp32 weight in separate memory, in a few attribute reads."""
     if not (_common_case(x, weight) and isinstance(residual, torch.Tensor)):
         return False
     if residual.dtype is not x.dtype or residual.shape != x.shape or residual.is_cpu is not x.is_cpu:
         return False
     if not (x.is_cpu and x.is_contiguous() and residual.is_contiguous()):
         return False
-    a, b = x.data_ptr(), residual.data_ptr()
+    a, b, w = x.data_ptr(), residual.data_ptr(), weight.data_ptr()
     nbytes = x.numel() * x.element_size()
-    return a + nbytes <= b or b + nbytes <= a
+    w_end = w + weight.numel() * weight.element_size()
+    return ((a + nbytes <= b or b + nbytes <= a) and (w_end <= a or a + nbytes <= w)
+            and (w_end <= b or b + nbytes <= w))
 
 
 def refuse_inference_write(x, residual) -> None:
@@ -607,6 +618,7 @@ def fused_add_rms_norm_inplace(x, residual, weight, eps, cast, residual_rounding
         check_input(x)
         check_inplace(x, residual)
         check_weight(weight, x)
+        check_inplace_weight(weight, x, residual)
     check_options(eps, cast, residual_rounding, torch.float32 if residual.dtype != x.dtype else None)
     _launcher(x).forward(
         x, residual, weight, eps, cast == "hf", residual_rounding == "round_first", x, residual, None
