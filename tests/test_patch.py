@@ -225,6 +225,7 @@ def test_torch_rmsnorm_on_cpu(wdtype, eps):
 
 def test_left_alone_with_reasons():
     from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     class OffsetRMSNorm(nn.Module):
         """A (1 + w) norm that looks Llama-like by its attributes: only the probe can tell."""
@@ -267,6 +268,8 @@ def test_left_alone_with_reasons():
         "offset": OffsetRMSNorm(32).to(torch.bfloat16),
         "unknown": MyRMSNorm(32),
         "lazy": LazyRMSNorm(),
+        "empty": nn.RMSNorm(0),
+        "empty_llama": LlamaRMSNorm(0),
         "done": dsnorm.RMSNorm(32),
         "linear": nn.Linear(4, 4),
     })
@@ -275,8 +278,10 @@ def test_left_alone_with_reasons():
     assert not rep.replaced
     why = {e.name: e.reason for e in rep.left}
     assert set(why) == {"gemma", "no_weight", "two_d", "eps_zero", "eps_huge_int", "offset", "unknown", "lazy",
-                        "done"}
+                        "empty", "empty_llama", "done"}
     assert "uninitialised (a lazy module)" in why["lazy"]
+    # A width-0 gain raised part-way through the model, leaving the norms before it replaced (review).
+    assert "width 0" in why["empty"] and "width 0" in why["empty_llama"]
     assert "eps is 0.0: dsnorm takes eps > 0" in why["eps_zero"]
     assert "dsnorm takes eps > 0" in why["eps_huge_int"]
     assert "(1 + weight)" in why["gemma"]
@@ -286,6 +291,29 @@ def test_left_alone_with_reasons():
     assert "unrecognised" in why["unknown"]
     assert "already" in why["done"]
     assert all(model[k] is v for k, v in before.items())
+
+
+def test_an_error_part_way_leaves_the_model_as_it_was(monkeypatch):
+    # Modules are replaced only once the whole model is planned: an unexpected error at the second
+    # norm must not leave the first one replaced (found by review with a width-0 gain).
+    import dsnorm.patching as patching
+
+    model = nn.Sequential(nn.RMSNorm(8, eps=1e-6), nn.Linear(8, 8), nn.RMSNorm(8, eps=1e-6))
+    before = list(model)
+    real_plan, calls = patching._plan, []
+
+    def plan_then_fail(module):
+        calls.append(module)
+        if len(calls) == 2:
+            raise RuntimeError("planted failure")
+        return real_plan(module)
+
+    monkeypatch.setattr(patching, "_plan", plan_then_fail)
+    with pytest.raises(RuntimeError, match="planted failure"):
+        patch(model)
+    assert list(model) == before and all(a is b for a, b in zip(model, before))
+    monkeypatch.setattr(patching, "_plan", real_plan)
+    assert len(patch(model).replaced) == 2
 
 
 def test_left_alone_where_a_replacement_would_change_behaviour():

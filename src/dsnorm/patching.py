@@ -103,6 +103,8 @@ def _weight_1d(module: nn.Module) -> torch.Tensor:
         raise _Leave("weight is uninitialised (a lazy module): run a forward or materialise it first, then patch")
     if w.dim() != 1:
         raise _Leave(f"weight is {w.dim()}-D {list(w.shape)}: dsnorm normalises over the last axis only")
+    if w.shape[0] == 0:
+        raise _Leave("weight is empty (width 0): dsnorm normalises rows of at least one element")
     if w.is_meta:
         raise _Leave("weight is on the meta device (no values to keep or check): materialise the model "
                      "first (model.to_empty(device=...)), then patch, then load_norms")
@@ -438,13 +440,15 @@ def patch(model: nn.Module, *, probe: bool = True) -> PatchReport:
         (Gemma-style ``(1 + w)`` gains, no weight, multi-dimensional shapes, unknown classes, ...).
 
     Raises:
-        TypeError: ``model`` is not an ``nn.Module``.
+        TypeError: ``model`` is not an ``nn.Module``. Modules are replaced only once every one has
+        been planned and probed, so an error on the way leaves the model as it was.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     report = PatchReport()
     done: dict = {}  # id(original module) -> (its replacement, why)
     gains: dict = {}  # id(original weight) -> the replacement's weight Parameter
+    replacements: list = []  # (name, new module), made once the whole model is planned
     # Snapshot first: replacing children while iterating named_modules would skip or revisit modules.
     candidates = [(n, m) for n, m in model.named_modules(remove_duplicate=False)
                   if isinstance(m, nn.RMSNorm) or _RMS_LIKE.search(type(m).__name__)]
@@ -502,7 +506,10 @@ def patch(model: nn.Module, *, probe: bool = True) -> PatchReport:
             else:
                 gains[id(w)] = new.weight
             done[id(old)] = (new, why)
+        replacements.append((name, new))
+        report.replaced.append(PatchEntry(name, cls, True, why, new.cast, new.eps, new.dim))
+    # Only now, every module planned and probed: an error on the way leaves the model as it was.
+    for name, new in replacements:
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, new)
-        report.replaced.append(PatchEntry(name, cls, True, why, new.cast, new.eps, new.dim))
     return report
