@@ -259,6 +259,20 @@ def test_unusable_requests_exit_2_before_the_run(argv, message):
     assert rc == 2 and message in err and time.perf_counter() - t0 < 5
 
 
+def test_outputs_that_would_replace_an_input_or_each_other_exit_2(tmp_path):
+    # Found by review: --json and --plot on one path left the chart where the results were, and an
+    # output onto the vLLM extension would have replaced it.
+    same = tmp_path / "o.out"
+    so = tmp_path / "vllm.so"
+    so.write_bytes(b"not an extension")
+    for argv, message in ((["--json", str(same), "--plot", str(same)], "name one file"),
+                          (["--json", str(so), "--vllm-so", str(so)], "the vLLM extension"),
+                          (["--plot", f"{tmp_path}/./vllm.so", "--vllm-so", str(so)], "the vLLM extension")):
+        rc, _, err = run_cli(["bench", "--quick", "--cases", "q_norm decode B=1"] + argv)
+        assert rc == 2 and message in err, (argv, err)
+    assert not same.exists() and so.read_bytes() == b"not an extension"
+
+
 def test_missing_or_broken_vllm_is_reported_not_fatal(tmp_path):
     not_a_library = tmp_path / "_C_AVX2.abi3.so"
     not_a_library.write_text("not an ELF file")

@@ -256,6 +256,31 @@ def test_expectation_sources(tmp_path, capsys):
     assert out == "" and "is a directory" in err
 
 
+
+def test_count_json_must_not_replace_what_it_reads(tmp_path, capsys):
+    # Found by review: --json onto the checkpoint file replaced it with the report (exit 1).
+    hf_checkpoint(tmp_path)
+    ckpt = tmp_path / "model.safetensors"
+    cfg = tmp_path.parent / "other_cfg.json"
+    cfg.write_text(json.dumps(HF_CFG))
+    before = {p: p.read_bytes() for p in (ckpt, tmp_path / "config.json", cfg)}
+    for argv in ([str(tmp_path), "--json", str(ckpt)], [str(ckpt), "--json", str(ckpt)],
+                 [str(tmp_path), "--json", str(tmp_path / "config.json")],
+                 [str(tmp_path), "--config", str(cfg), "--json", str(cfg)]):
+        assert cli.main(["count"] + argv) == 2, argv
+        out, err = capsys.readouterr()
+        assert out == "" and "the command reads (it would be overwritten)" in err
+    assert all(p.read_bytes() == b for p, b in before.items())
+    # Through an index (read when the directory is named, or named itself).
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {n: "model.safetensors" for n in HF_MAIN}}))
+    kept = index.read_bytes()
+    for argv in ([str(tmp_path), "--json", str(index)], [str(index), "--json", str(index)]):
+        assert cli.main(["count"] + argv) == 2, argv
+        assert "the command reads" in capsys.readouterr().err
+    assert index.read_bytes() == kept
+
+
 def test_a_named_config_wins_over_the_one_beside_the_checkpoint(tmp_path, capsys):
     # save_pretrained keeps num_nextn_predict_layers but writes no MTP weights: the caller corrects the
     # expectation with a config of their own, which must win; a path that does not load is an error.
@@ -510,6 +535,62 @@ def test_load_norms_all_or_nothing(tmp_path):
         load_norms("not a model", tmp_path / "missing")
     with pytest.raises(ValueError, match="no dsnorm.RMSNorm"):
         load_norms(torch.nn.Linear(2, 2), tmp_path / "missing")
+
+
+def _two_norms(tmp_path, a_value, b_value):
+    path = tmp_path / "two.safetensors"
+    save_file({"a.weight": torch.full((8,), a_value), "b.weight": torch.full((8,), b_value)}, str(path))
+    model = torch.nn.Module()
+    model.a, model.b = dsnorm.RMSNorm(8), dsnorm.RMSNorm(8)
+    return model, path
+
+
+@pytest.mark.parametrize("setup", ["inference", "expanded", "tied", "overlapping"])
+def test_load_norms_refuses_weights_it_cannot_write_whole(tmp_path, setup):
+    # Found by review: each of these raised inside the copy loop (a already loaded, the error naming
+    # no module) or, tied, kept only the last value while reporting both loaded.
+    model, path = _two_norms(tmp_path, 2.0, 3.0)
+    if setup == "inference":
+        with torch.inference_mode():
+            model.b = dsnorm.RMSNorm(8)
+    elif setup == "expanded":
+        model.b.weight = torch.nn.Parameter(torch.ones(1).expand(8))
+    elif setup == "tied":
+        model.b.weight = model.a.weight
+    else:
+        base = torch.ones(12)
+        model.a.weight, model.b.weight = torch.nn.Parameter(base[:8]), torch.nn.Parameter(base[4:])
+    before = {n: m.weight.detach().clone() for n, m in (("a", model.a), ("b", model.b))}
+    why = {"inference": "inference tensor", "expanded": "share one memory location",
+           "tied": "tied to a's.*different values", "overlapping": "overlaps a's in memory"}[setup]
+    with pytest.raises(ValueError, match=rf"(?s)nothing loaded.*b: weight.*{why}"):
+        load_norms(model, path)
+    assert all(torch.equal(before[n], m.weight) for n, m in (("a", model.a), ("b", model.b)))
+
+
+def test_load_norms_tied_gains_load_when_the_checkpoint_agrees(tmp_path):
+    model, path = _two_norms(tmp_path, 2.0, 2.0)
+    model.b.weight = model.a.weight
+    assert len(load_norms(model, path).loaded) == 2
+    assert torch.equal(model.a.weight, torch.full((8,), 2.0))
+    # Under inference mode an inference-mode model loads.
+    with torch.inference_mode():
+        model.b = dsnorm.RMSNorm(8)
+        assert len(load_norms(model, path).loaded) == 2
+        assert torch.equal(model.b.weight, torch.full((8,), 2.0))
+
+
+def test_load_norms_puts_back_what_it_wrote_when_a_write_fails():
+    # The last line of defence behind the checks: a write that fails part-way (here an inference
+    # tensor passed straight to the copy step) undoes the earlier writes and names the module.
+    from dsnorm.checkpoint import _copy_all
+
+    a = dsnorm.RMSNorm(4)
+    with torch.inference_mode():
+        b = dsnorm.RMSNorm(4)
+    with pytest.raises(ValueError, match=r"nothing loaded; writing b.weight failed: RuntimeError"):
+        _copy_all([("a", a, None), ("b", b, None)], [torch.full((4,), 2.0), torch.full((4,), 3.0)])
+    assert torch.equal(a.weight, torch.ones(4)) and torch.equal(b.weight, torch.ones(4))
 
 
 # Kills: read_header's overlap check as `b1 < e0 - 1` (tensors sharing one byte accepted).

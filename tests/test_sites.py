@@ -232,6 +232,57 @@ def test_mtp_block_attn_norm_is_plain():
     assert mtp["mtp.attn_norm"].form == "plain" and mtp["mtp.ffn_norm"].form == "fused"
 
 
+def test_sites_json_must_not_replace_its_config(tmp_path, capsys):
+    # Found by review: --json onto --config rewrote the config as the catalogue.
+    cfg = tmp_path / "c.json"
+    from dsnorm.sites import default_config_path
+
+    with open(default_config_path(), encoding="utf-8") as f:
+        cfg.write_text(f.read())
+    before = cfg.read_bytes()
+    os.symlink(cfg, tmp_path / "link.json")
+    for out in (cfg, tmp_path / "link.json"):
+        assert cli.main(["sites", "--config", str(cfg), "--json", str(out)]) == 2
+        assert "is the --config file" in capsys.readouterr().err
+    assert cfg.read_bytes() == before
+
+
+def test_write_file_is_whole_or_nothing(tmp_path, monkeypatch):
+    from dsnorm.sites import write_file
+
+    out = tmp_path / "out.json"
+    out.write_text('{"keep": 1}\n')
+    out.chmod(0o640)
+    write_file(str(out), "new\n")
+    assert out.read_text() == "new\n" and (out.stat().st_mode & 0o777) == 0o640
+    # Through a symbolic link: the file it names is replaced, the link stays a link.
+    os.symlink(out, tmp_path / "link")
+    write_file(str(tmp_path / "link"), b"via link\n")
+    assert os.path.islink(tmp_path / "link") and out.read_text() == "via link\n"
+    # A write that fails part-way (a full disk) leaves the old file as it was and no temporary file.
+    real_fdopen = os.fdopen
+
+    class Full:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, data):
+            self.f.write(data[:3])
+            raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fdopen", lambda fd, mode: Full(real_fdopen(fd, mode)))
+    with pytest.raises(OSError, match="No space"):
+        write_file(str(out), "x" * 100)
+    assert out.read_text() == "via link\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "out.json"]
+
+
 def test_output_path_problem(tmp_path, monkeypatch):
     from dsnorm.sites import output_path_problem
 

@@ -56,6 +56,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import importlib.util
+import io
 import json
 import math
 import os
@@ -71,7 +72,7 @@ import torch
 
 import dsnorm
 from dsnorm.ref import EPS, RMSNormRef, rms_norm_backward_ref
-from dsnorm.sites import output_path_problem
+from dsnorm.sites import output_path_problem, same_file, write_file
 
 # DeepSeek-V3.2-Exp widths: hidden size, query latent (q_lora_rank), key-value latent
 # (kv_lora_rank) and the row it is sliced from (kv_lora_rank + qk_rope_head_dim).
@@ -1431,8 +1432,10 @@ def plot(result: dict, path: str) -> None:
     ax.set_title(f"dsnorm bench: {result['machine']['cpu']}, {result['machine']['threads']} threads")
     ax.legend(fontsize=8, ncol=2)
     fig.tight_layout()
-    fig.savefig(path, format="png", dpi=110)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=110)
     plt.close(fig)
+    write_file(path, png.getvalue())  # whole or not at all
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1487,11 +1490,19 @@ def run(args: argparse.Namespace) -> int:
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         print("dsnorm bench: --plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
         return 2
-    for option, path in (("--json", None if args.json == "-" else args.json), ("--plot", args.plot)):
+    json_path = None if args.json == "-" else args.json
+    for option, path in (("--json", json_path), ("--plot", args.plot)):
         problem = output_path_problem(path) if path else None
+        vllm_so = args.vllm_so or os.environ.get("DSNORM_VLLM_SO")
+        if problem is None and path and same_file(path, vllm_so):
+            problem = "is the vLLM extension the run loads (it would be overwritten)"
         if problem:
             print(f"dsnorm bench: {option} {path}: {problem}", file=sys.stderr)
             return 2
+    if same_file(json_path, args.plot):
+        print(f"dsnorm bench: --json and --plot name one file ({args.plot}): the chart would replace the "
+              f"results", file=sys.stderr)
+        return 2
     cases = default_cases(args.backward, QUICK_TOKENS if args.quick else PREFILL_TOKENS)
     fusions = None
     if args.cases:
@@ -1517,8 +1528,15 @@ def run(args: argparse.Namespace) -> int:
         if args.json == "-":
             print(text)
         else:
-            with open(args.json, "w") as f:
-                f.write(text + "\n")
+            try:
+                write_file(args.json, text + "\n")
+            except OSError as e:
+                print(f"dsnorm bench: error: cannot write --json {args.json}: {e.strerror or e}", file=sys.stderr)
+                return 2
     if args.plot:
-        plot(result, args.plot)
+        try:
+            plot(result, args.plot)
+        except OSError as e:
+            print(f"dsnorm bench: error: cannot write --plot {args.plot}: {e.strerror or e}", file=sys.stderr)
+            return 2
     return 0 if result["fidelity_ok"] else 1

@@ -36,6 +36,7 @@ from dsnorm.sites import (
     json_path_refused,
     load_config,
     read_json_file,
+    write_file,
 )
 
 # Real shards of the 671B checkpoint have headers well under 1 MB; this cap (as in the safetensors
@@ -694,6 +695,56 @@ def _same_values(back, v) -> bool:
     return bool(((back == v) | (back.isnan() & v.isnan())).all())
 
 
+def _extent(t) -> tuple:
+    """The address range ``[start, end)`` a strided tensor's elements lie in."""
+    start = t.data_ptr()
+    return start, start + (sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * t.element_size()
+
+
+def _tied_conflicts(plan: list, values: list) -> list:
+    """Modules whose weights share memory (a gain tied by patch, overlapping views): one copy would
+    overwrite the other's, so their checkpoint values must agree, and the weights must be the same
+    elements (not partly overlapping views)."""
+    problems = []
+    seen: list = []  # (device, start, end, shape, strides, module name, tensor name, value)
+    for (mname, mod, info), v in zip(plan, values):
+        w = mod.weight
+        if w.numel() == 0:
+            continue
+        start, end = _extent(w)
+        for device, s0, e0, shape, strides, other, other_tensor, v0 in seen:
+            if device != w.device or not (start < e0 and s0 < end):
+                continue
+            if (s0, shape, strides) != (start, tuple(w.shape), w.stride()):
+                problems.append(f"{mname}: weight overlaps {other}'s in memory without being the same elements; "
+                                f"give each norm its own parameter")
+            elif not _same_values(v.cpu(), v0.cpu()):
+                problems.append(f"{mname}: weight is tied to {other}'s (one parameter), but {info.name} and "
+                                f"{other_tensor} hold different values; untie them or fix the checkpoint")
+        seen.append((w.device, start, end, tuple(w.shape), w.stride(), mname, info.name, v))
+    return problems
+
+
+def _copy_all(plan: list, values: list) -> None:
+    """Write every value, or (if a write fails) put back the ones written and say which module failed."""
+    import torch
+
+    written = []
+    with torch.no_grad():
+        for (mname, mod, _), v in zip(plan, values):
+            # The failing write itself is put back too: torch checks some rules (an inference
+            # tensor outside inference mode) only after it has written.
+            written.append((mod.weight, mod.weight.detach().clone()))
+            try:
+                mod.weight.copy_(v)
+            except Exception as e:
+                with torch.inference_mode():  # where every tensor, inference or not, can be written
+                    for w, old in reversed(written):
+                        w.copy_(old)
+                raise ValueError(f"load_norms: nothing loaded; writing {mname}.weight failed: "
+                                 f"{type(e).__name__}: {e}") from e
+
+
 def load_norms(model, path: Union[str, os.PathLike]) -> LoadReport:
     """Copy every norm gain of a safetensors checkpoint into the ``dsnorm.RMSNorm`` modules of ``model``.
 
@@ -702,8 +753,10 @@ def load_norms(model, path: Union[str, os.PathLike]) -> LoadReport:
     (``model.layers.{i}.self_attn.q_a_layernorm``), whichever the checkpoint uses; the stored BF16/F16/F32
     values become exact float32 parameters (``weight[d]``, float32 in dsnorm), F64 ones too when each
     is exactly a float32. Only the norm tensors' bytes are read. All modules are checked and all
-    values read before any parameter changes: on error nothing is modified. Parameters on the meta
-    device are refused (a copy into them keeps nothing): materialise the model first.
+    values read before any parameter changes: on error nothing is modified (a write that still fails
+    puts back those before it). Parameters on the meta device are refused (a copy into them keeps
+    nothing): materialise the model first. A gain tied between modules (one parameter, as
+    :func:`dsnorm.patch` keeps it) loads when the checkpoint holds the same values for each of them.
 
     Args:
         model: an ``nn.Module`` holding ``dsnorm.RMSNorm`` modules (e.g. after :func:`dsnorm.patch`).
@@ -762,6 +815,16 @@ def load_norms(model, path: Union[str, os.PathLike]) -> LoadReport:
             problems.append(f"{mname}: weight is on the meta device, where a copy keeps no values; "
                             f"materialise the model first (e.g. model.to_empty(device='cpu'))")
             continue
+        # What torch's copy_ would refuse, found here so that it refuses before anything is written.
+        if mod.weight.is_inference() and not torch.is_inference_mode_enabled():
+            problems.append(f"{mname}: weight is an inference tensor (made under torch.inference_mode), "
+                            f"which torch writes only in inference mode: call load_norms under "
+                            f"torch.inference_mode(), or build the model outside it")
+            continue
+        if mod.weight.dim() == 1 and mod.weight.numel() > 1 and mod.weight.stride(0) == 0:
+            problems.append(f"{mname}: weight's elements share one memory location (an expanded tensor), "
+                            f"so it cannot hold a gain; give it its own parameter")
+            continue
         want = tuple(mod.weight.shape)
         if info.shape != want:
             problems.append(f"{mname}: {info.name} has shape {list(info.shape)}, the module needs {list(want)}")
@@ -791,11 +854,10 @@ def load_norms(model, path: Union[str, os.PathLike]) -> LoadReport:
                 problems.append(f"{mname}: {info.name} ({info.dtype}) is not exactly representable in the "
                                 f"patched norm's {gain} gain (the dtype HF's parameter would have)")
         values.append(cast)
+    problems += _tied_conflicts(plan, values)
     if problems:
         raise ValueError(f"load_norms({files.path}): nothing loaded; {len(problems)} problem(s):\n  " + "\n  ".join(problems))
-    with torch.no_grad():
-        for (_, mod, _), v in zip(plan, values):
-            mod.weight.copy_(v)
+    _copy_all(plan, values)
     used = {info.name for _, _, info in plan}
     unused = sorted(n for n in tensors if n not in used and (classify(n) is not None or is_norm_like(n)))
     loaded = [{"module": m, "tensor": i.name, "file": i.file, "dtype": i.dtype, "shape": list(i.shape)} for m, _, i in plan]
@@ -816,10 +878,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="FILE", help="write the report as JSON ('-': stdout instead of the text)")
 
 
+def _inputs(args: argparse.Namespace) -> list:
+    """``(option, path)`` of every file ``dsnorm count`` reads: the path named, its shards, the
+    index, and the config (given, or the one beside the checkpoint)."""
+    inputs = [("checkpoint", args.path), ("--config", args.config)]
+    try:
+        files = resolve_checkpoint(args.path)
+    except (ValueError, OSError):
+        return inputs  # count_norms names the problem
+    inputs += [("checkpoint", f) for f in files.files]
+    if os.path.isdir(args.path):
+        inputs += [("index", os.path.join(args.path, n)) for n in os.listdir(args.path)
+                   if n.endswith(".safetensors.index.json")]
+    if args.config is None:
+        inputs.append(("config", os.path.join(files.root, "config.json")))
+    return inputs
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``dsnorm count``: 0 when the checkpoint matches, 1 on mismatches, 2 on unreadable input
     or an unwritable ``--json`` path (refused before the checkpoint is read)."""
-    if json_path_refused("count", args.json):
+    if json_path_refused("count", args.json, _inputs(args)):
         return 2
     try:
         rep = count_norms(args.path, args.config)
@@ -833,9 +912,7 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(render_report(rep))
         if args.json:
             try:
-                with open(args.json, "w", encoding="utf-8") as f:
-                    json.dump(rep.to_dict(), f, indent=1)
-                    f.write("\n")
+                write_file(args.json, json.dumps(rep.to_dict(), indent=1) + "\n")
             except OSError as e:
                 print(f"dsnorm count: error: cannot write {args.json}: {e.strerror or e}", file=sys.stderr)
                 return 2

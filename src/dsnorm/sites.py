@@ -189,13 +189,70 @@ def output_path_problem(path: str) -> Optional[str]:
     return None if os.access(parent, os.W_OK) else "not writable (its directory)"
 
 
-def json_path_refused(command: str, path: Optional[str]) -> bool:
+def same_file(a: Optional[str], b: Optional[str]) -> bool:
+    """Whether two paths name one file: an existing one under any name (links included), or, for a
+    file not yet made, the same normalised path."""
+    if not a or not b or a == "-" or b == "-":
+        return False
+    try:
+        if os.path.exists(a) and os.path.exists(b):
+            return os.path.samefile(a, b)
+    except OSError:
+        return False
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+def json_path_refused(command: str, path: Optional[str], inputs: Iterable = ()) -> bool:
     """For ``dsnorm <command> --json PATH`` (``-``: stdout): say on stderr why PATH cannot be
-    written and return True, before the command's work; False when it can, or none was given."""
-    problem = output_path_problem(path) if path and path != "-" else None
+    written and return True, before the command's work; False when it can, or none was given.
+    ``inputs``: ``(option, path)`` pairs of what the command reads, which the output must not replace."""
+    if not path or path == "-":
+        return False
+    problem = output_path_problem(path)
+    for option, other in inputs:
+        if problem is None and same_file(path, other):
+            problem = f"is the {option} file the command reads (it would be overwritten)"
     if problem:
         print(f"dsnorm {command}: error: --json {path}: {problem}", file=sys.stderr)
     return problem is not None
+
+
+def write_file(path: str, data) -> None:
+    """Write ``data`` (str or bytes) to ``path`` whole or not at all: into a temporary file beside
+    it, then renamed over it, so that a failed write (a full disk) leaves the old file as it was.
+    The file keeps an existing file's permission bits; a symbolic link is written through. Where
+    the directory cannot take a new file, an existing writable file is rewritten in place.
+
+    Raises:
+        OSError: the file cannot be written (the old one is then unchanged, except in place).
+    """
+    import tempfile
+
+    if isinstance(data, str):
+        data = data.encode("utf-8")
+    target = os.path.realpath(path)
+    directory = os.path.dirname(target) or "."
+    if not os.access(directory, os.W_OK):
+        with open(target, "wb") as f:
+            f.write(data)
+        return
+    fd, tmp = tempfile.mkstemp(prefix=".dsnorm-", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        if os.path.exists(target):
+            os.chmod(tmp, os.stat(target).st_mode & 0o7777)
+        else:  # what open() would give a new file: 0o666 less the umask
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, target)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
 
 
 def read_json_file(path: str, what: str = "JSON file", max_bytes: int = MAX_CONFIG_BYTES) -> Any:
@@ -697,7 +754,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``dsnorm sites``; returns the exit status (2 on a bad config or site name)."""
-    if json_path_refused("sites", args.json):
+    if json_path_refused("sites", args.json, [("--config", args.config)]):
         return 2
     try:
         cfg = load_config(args.config)
@@ -712,9 +769,7 @@ def run(args: argparse.Namespace) -> int:
     sys.stdout.write(text)
     if args.json:
         try:
-            with open(args.json, "w", encoding="utf-8") as f:
-                json.dump(catalog(cfg), f, indent=1)
-                f.write("\n")
+            write_file(args.json, json.dumps(catalog(cfg), indent=1) + "\n")
         except OSError as e:
             print(f"dsnorm sites: error: cannot write {args.json}: {e.strerror or e}", file=sys.stderr)
             return 2
