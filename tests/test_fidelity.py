@@ -324,6 +324,25 @@ def test_hf_cast_matches_transformers_bitwise():
         assert not torch.equal(ours(x), y_hf)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_hf_decoder_residual_add_is_hf_cast_with_round_first(dtype):
+    # A Hugging Face decoder layer adds the residual in the model's dtype, then normalises:
+    # ``residual = residual + h; y = norm(residual)``. That is the fused form with both named
+    # options, bit for bit (README's compatibility footnote); the defaults differ.
+    modeling = pytest.importorskip("transformers.models.deepseek_v3.modeling_deepseek_v3")
+    hf = modeling.DeepseekV3RMSNorm(769, eps=1e-6)
+    with torch.no_grad():
+        hf.weight.copy_(_weight(769))
+    hf = hf.to(dtype)
+    h, r = _data((6, 769), dtype, 27, scale=3.0), _data((6, 769), dtype, 28, scale=3.0)
+    with torch.no_grad():
+        stream = r + h
+        want = hf(stream)
+        y, res = dsnorm.fused_add_rms_norm(h, r, hf.weight.float(), cast="hf", residual_rounding="round_first")
+        assert bits_equal(res, stream) and bits_equal(y, want)
+        assert not torch.equal(dsnorm.fused_add_rms_norm(h, r, hf.weight.float())[0], want)
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rows_from_dram_prefetching_path(dtype, threads):

@@ -401,7 +401,8 @@ def fused_add_rms_norm(
         eps: > 0, with a nonzero finite float32 rounding (about 1.4e-45 to 3.4e38).
         cast: ``"deepseek"`` or ``"hf"`` (see :func:`rms_norm`).
         residual_rounding: ``"fp32_sum"`` (reference: normalise the unrounded sum) or
-            ``"round_first"`` (vLLM CUDA / Liger: normalise ``s.to(x.dtype)``).
+            ``"round_first"`` (normalise ``s.to(x.dtype)``: the order of vLLM's CUDA kernel and
+            Liger's fused add, not their bits; README's compatibility footnote).
         residual_dtype: ``None`` (residual returned in ``x.dtype``, whatever the residual's) or
             ``torch.float32`` (the residual stream kept in fp32; contradicts ``"round_first"``).
 

@@ -1,4 +1,5 @@
-"""The plain eager reference: DeepSeek-V3.2-Exp ``inference/model.py`` RMSNorm (lines 280-306).
+"""The plain eager reference: DeepSeek-V3.2-Exp ``inference/model.py`` RMSNorm (lines 280-306 at the
+revision the seeds pin, 87e509a2e5a1; lines 273-307 in the GitHub repository's commit 2305c7e).
 
 Everything here is written as plainly as the seed, op for op, so that tests and benchmarks compare
 the kernels against exactly what the reference computes. Nothing in this file is fast.
@@ -7,8 +8,9 @@ The compatibility modes are defined here too, as eager formulas of their own ord
 
 * ``cast="hf"``: Hugging Face ``DeepseekV3RMSNorm`` in a bf16/fp16 model:
   ``weight.to(dtype) * xhat.to(dtype)`` (x̂ rounded before a low-precision weight multiply).
-* ``residual_rounding="round_first"``: vLLM's CUDA kernel / Liger: the residual sum is rounded to
-  ``x.dtype`` and that rounded value is normalised.
+* ``residual_rounding="round_first"``: the order of vLLM's CUDA kernel and Liger's fused add (not
+  their bits: README's compatibility footnote): the residual sum is rounded to ``x.dtype`` and that
+  rounded value is normalised.
 * ``residual_dtype=torch.float32``: the residual stream is kept (accepted and returned) in fp32.
 
 One documented departure from the seed: fp64 inputs are computed in fp64 (the seed's ``x.float()``
