@@ -564,12 +564,15 @@ def test_inplace_refuses_a_weight_that_shares_memory_with_what_it_writes(rows, w
         with pytest.raises(ValueError, match=f"weight must not share memory with {where.split()[0]}"):
             call()
         assert bits_equal(x, before[0]) and bits_equal(res, before[1])
-    # A weight in the same storage but apart from both is read whole before anything is written.
+    # A weight in the same storage but apart from both is taken: after them, or in the gap between
+    # strided rows (inside their address ranges, sharing no element; review of the first version).
     buf = torch.rand(3 * rows * 64 + 64) + 0.5
-    x, res, w = buf[: rows * 64].view(rows, 64), buf[rows * 64: 2 * rows * 64].view(rows, 64), buf[-64:]
-    want_y, want_res = fused_add_rms_norm_ref(x.clone(), res.clone(), w.clone())
-    dsnorm.fused_add_rms_norm_(x, res, w)
-    assert bits_equal(x, want_y) and bits_equal(res, want_res)
+    rows_buf = torch.rand(rows, 192) + 0.5
+    for x, res, w in ((buf[: rows * 64].view(rows, 64), buf[rows * 64: 2 * rows * 64].view(rows, 64), buf[-64:]),
+                      (rows_buf[:, :64], rows_buf[:, 64:128], rows_buf[0, 128:])):
+        want_y, want_res = fused_add_rms_norm_ref(x.clone(), res.clone(), w.clone())
+        dsnorm.fused_add_rms_norm_(x, res, w)
+        assert bits_equal(x, want_y) and bits_equal(res, want_res)
 
 
 @pytest.mark.parametrize("rows", [4, 4096])  # the fast lane and the thread pool's size

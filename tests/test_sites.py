@@ -245,6 +245,15 @@ def test_sites_json_must_not_replace_its_config(tmp_path, capsys):
         assert cli.main(["sites", "--config", str(cfg), "--json", str(out)]) == 2
         assert "is the --config file" in capsys.readouterr().err
     assert cfg.read_bytes() == before
+    # Nor the built-in config it reads without --config (the packaged file in an editable install).
+    from dsnorm.sites import default_config_path
+
+    with open(default_config_path(), "rb") as f:
+        packaged = f.read()
+    assert cli.main(["sites", "--json", default_config_path()]) == 2
+    assert "is the --config file" in capsys.readouterr().err
+    with open(default_config_path(), "rb") as f:
+        assert f.read() == packaged
 
 
 def test_write_file_is_whole_or_nothing(tmp_path, monkeypatch):
@@ -281,6 +290,47 @@ def test_write_file_is_whole_or_nothing(tmp_path, monkeypatch):
         write_file(str(out), "x" * 100)
     assert out.read_text() == "via link\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "out.json"]
+
+
+def test_write_file_writes_pipes_and_linked_files_in_place(tmp_path):
+    # A rename would turn a pipe or device (/dev/stdout, /dev/null) into a regular file and split a
+    # file with two names (found by review of the first version).
+    import stat
+    import threading
+
+    from dsnorm.sites import write_file
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(open(fifo, "rb").read()))
+    reader.start()
+    write_file(str(fifo), "through the pipe\n")
+    reader.join(10)
+    assert got == [b"through the pipe\n"] and stat.S_ISFIFO(os.stat(fifo).st_mode)
+    one, two = tmp_path / "one.json", tmp_path / "two.json"
+    one.write_text("old\n")
+    os.link(one, two)
+    write_file(str(one), "new\n")
+    assert two.read_text() == "new\n" and os.path.samefile(one, two)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo", "one.json", "two.json"]
+
+
+
+def test_json_to_dev_stdout_follows_the_table(tmp_path):
+    # stdout redirected to a file, --json /dev/stdout: the JSON goes after the table. A rename over
+    # the file lost the table; a pipe made the first version fail (mkstemp in /proc).
+    out = tmp_path / "out.txt"
+    with open(out, "wb") as f:
+        proc = subprocess.run([sys.executable, "-m", "dsnorm.cli", "sites", "--json", "/dev/stdout"],
+                              stdout=f, stderr=subprocess.PIPE, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    text = out.read_text()
+    table, _, rest = text.partition("\n{\n")
+    assert "RMSNorm sites" in table and json.loads("{\n" + rest)["config"]["dim"] == 7168
+    proc = subprocess.run(f"{sys.executable} -m dsnorm.cli sites --json /dev/stdout | cat", shell=True,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "RMSNorm sites" in proc.stdout and '"dim": 7168' in proc.stdout
 
 
 def test_output_path_problem(tmp_path, monkeypatch):

@@ -32,6 +32,7 @@ from dsnorm.sites import (
     HF_SUFFIX,
     REF_SUFFIX,
     ModelConfig,
+    default_config_path,
     enumerate_sites,
     json_path_refused,
     load_config,
@@ -881,7 +882,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _inputs(args: argparse.Namespace) -> list:
     """``(option, path)`` of every file ``dsnorm count`` reads: the path named, its shards, the
     index, and the config (given, or the one beside the checkpoint)."""
-    inputs = [("checkpoint", args.path), ("--config", args.config)]
+    inputs = [("checkpoint", args.path), ("--config", args.config), ("built-in config", default_config_path())]
     try:
         files = resolve_checkpoint(args.path)
     except (ValueError, OSError):

@@ -537,9 +537,21 @@ def check_inplace_weight(weight, x, residual) -> None:
     """The kernel reads the weight while it writes x and residual (torch's in-place ops refuse the
     same: ``a.mul_(a[0])``)."""
     for name, t in (("x", x), ("residual", residual)):
-        if _overlaps(weight, t):
+        if _overlaps(weight, t) and not _between_rows(weight, t):
             raise ValueError(f"weight must not share memory with {name} in the in-place form (it is read "
                              f"while {name} is written); pass weight.clone()")
+
+
+def _between_rows(weight: torch.Tensor, t: torch.Tensor) -> bool:
+    """Whether a contiguous weight lies wholly in one gap between the rows of a rows-viewable ``t``
+    (``buf[0, 2n:]`` beside ``buf[:, :n]``): inside t's address range, sharing no element."""
+    if not (weight.is_contiguous() and rows_viewable(t) and t.dim() >= 2):
+        return False
+    stride = row_stride(t) * t.element_size()
+    if stride <= 0:
+        return False
+    offset = (weight.data_ptr() - t.data_ptr()) % stride  # where the weight starts within t's row period
+    return t.shape[-1] * t.element_size() <= offset and offset + weight.numel() * weight.element_size() <= stride
 
 
 def _rows_overlap(t: torch.Tensor) -> bool:

@@ -439,9 +439,11 @@ def patch(model: nn.Module, *, probe: bool = True) -> PatchReport:
         :class:`PatchReport`: what was replaced (with cast and eps) and what was left alone and why
         (Gemma-style ``(1 + w)`` gains, no weight, multi-dimensional shapes, unknown classes, ...).
 
+    Modules are replaced only once every one has been planned and probed, so an error on the way
+    leaves the model as it was.
+
     Raises:
-        TypeError: ``model`` is not an ``nn.Module``. Modules are replaced only once every one has
-        been planned and probed, so an error on the way leaves the model as it was.
+        TypeError: ``model`` is not an ``nn.Module``.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")

@@ -217,31 +217,61 @@ def json_path_refused(command: str, path: Optional[str], inputs: Iterable = ()) 
     return problem is not None
 
 
+def _write_to_std_stream(st: os.stat_result, data: bytes) -> bool:
+    """Append ``data`` to our stdout or stderr when the file ``st`` describes is that stream's file
+    (``--json /dev/stdout`` with stdout redirected to a file: reopening it would truncate what was
+    printed before, a rename would replace it); False when it is neither."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            fd = stream.fileno()
+            fst = os.fstat(fd)
+        except (AttributeError, OSError, ValueError):  # a replaced stream (pytest's capture) has no fd
+            continue
+        if (fst.st_dev, fst.st_ino) == (st.st_dev, st.st_ino):
+            stream.flush()
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            return True
+    return False
+
+
 def write_file(path: str, data) -> None:
-    """Write ``data`` (str or bytes) to ``path`` whole or not at all: into a temporary file beside
-    it, then renamed over it, so that a failed write (a full disk) leaves the old file as it was.
-    The file keeps an existing file's permission bits; a symbolic link is written through. Where
-    the directory cannot take a new file, an existing writable file is rewritten in place.
+    """Write ``data`` (str or bytes) to ``path``. A new file, or a regular file of ours with no other
+    name, is written whole or not at all: into a temporary file beside it, then renamed over it (a
+    failed write, a full disk, leaves the old file as it was; its permission bits are kept, and a
+    symbolic link is written through). Anything else is written in place, as ``open(path, "w")``
+    would: a device, pipe or terminal (``/dev/null``), a file with other hard links or another owner
+    (a rename would split or take it over), a directory that takes no new file. The file our stdout
+    or stderr writes to (``/dev/stdout``) gets ``data`` after what was printed there.
 
     Raises:
-        OSError: the file cannot be written (the old one is then unchanged, except in place).
+        OSError: the file cannot be written.
     """
+    import stat
     import tempfile
 
     if isinstance(data, str):
         data = data.encode("utf-8")
+    try:
+        st = os.stat(path)  # through links: what open() would write
+    except FileNotFoundError:
+        st = None
+    if st is not None and _write_to_std_stream(st, data):
+        return
     target = os.path.realpath(path)
     directory = os.path.dirname(target) or "."
-    if not os.access(directory, os.W_OK):
-        with open(target, "wb") as f:
+    replaceable = st is None or (stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and st.st_uid == os.geteuid())
+    if not replaceable or not os.access(directory, os.W_OK):
+        with open(path, "wb") as f:
             f.write(data)
         return
     fd, tmp = tempfile.mkstemp(prefix=".dsnorm-", suffix=".tmp", dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-        if os.path.exists(target):
-            os.chmod(tmp, os.stat(target).st_mode & 0o7777)
+        if st is not None:
+            os.chmod(tmp, stat.S_IMODE(st.st_mode))
         else:  # what open() would give a new file: 0o666 less the umask
             umask = os.umask(0)
             os.umask(umask)
@@ -754,7 +784,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``dsnorm sites``; returns the exit status (2 on a bad config or site name)."""
-    if json_path_refused("sites", args.json, [("--config", args.config)]):
+    if json_path_refused("sites", args.json, [("--config", args.config or default_config_path())]):
         return 2
     try:
         cfg = load_config(args.config)
