@@ -706,6 +706,32 @@ def test_inputs_made_under_inference_mode_train_the_gain(dtype):
         torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_model_built_under_inference_mode_runs_with_grad_enabled(dtype):
+    # A model built (or loaded) under inference_mode, then called in grad mode: its weight is an
+    # inference tensor that requires grad, which autograd cannot save. The reference runs these
+    # calls (its mul saves only x) and even trains the gain; dsnorm raised (found by review).
+    with torch.inference_mode():
+        mods = [cls(64) for cls in (dsnorm.RMSNormRef, dsnorm.RMSNorm)]
+        for m in mods:
+            m.weight.mul_(torch.linspace(0.5, 1.5, 64))
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(3)).to(dtype)
+    r = torch.randn(4, 64, generator=torch.Generator().manual_seed(4)).to(dtype)
+    for fused in (False, True):
+        outs, grads = [], []
+        for m in mods:
+            m.weight.grad = None
+            out = m(x, r) if fused else (m(x),)
+            out[0].float().square().sum().backward()
+            outs.append(out)
+            grads.append(m.weight.grad)
+        assert all(bits_equal(a, b) for a, b in zip(*outs))
+        torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-6)
+        # The functions too, with the weight passed directly.
+        y = dsnorm.rms_norm(x, mods[1].weight) if not fused else dsnorm.fused_add_rms_norm(x, r, mods[1].weight)[0]
+        assert bits_equal(y, outs[0][0])
+
+
 def _rand_scaled(shape, dtype, seed, scale=1.0):
     return (torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype)
 

@@ -326,7 +326,8 @@ def _compute_weight(weight: torch.Tensor, x: torch.Tensor, name: str = "weight",
 
 def _savable(t):
     """``t``, or a copy when it is an inference tensor (made under ``torch.inference_mode``, e.g. a
-    cached batch): the Functions save their inputs for the backward, and autograd cannot save those.
+    cached batch, or a weight of a model built there): the Functions save their inputs for the
+    backward, and autograd cannot save those (the copy passes the gradient on to ``t``).
     (Dynamo cannot trace ``is_inference()``; a compiled graph saves through AOTAutograd instead.)"""
     return t.clone() if not _is_compiling() and t.is_inference() else t
 
@@ -375,7 +376,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = EPS, *, cast: s
         return _infer(x, w, eps, cast)
     if ops.train_lane_plain(x, w, eps, cast) and cast in _PROVED:
         return _plain_lane(x, w, eps, _PROVED[cast])[0]
-    return _apply(RMSNormFunction, _rows(_savable(x), "x"), w, eps, cast)[0]
+    return _apply(RMSNormFunction, _rows(_savable(x), "x"), _savable(w), eps, cast)[0]
 
 
 def fused_add_rms_norm(
@@ -437,7 +438,7 @@ def fused_add_rms_norm(
     x_rows = _rows(_savable(x), "x")  # x first: the residual's checks are stated in terms of x
     ops.check_residual(residual, x, residual_dtype)
     y, residual_out, _ = _apply(
-        FusedAddRMSNormFunction, x_rows, _rows(_savable(residual), "residual"), w, eps, cast, residual_rounding,
+        FusedAddRMSNormFunction, x_rows, _rows(_savable(residual), "residual"), _savable(w), eps, cast, residual_rounding,
         residual_dtype,
     )
     return y, residual_out

@@ -208,9 +208,11 @@ def _check_mla(q_latent, kv_a, q_weight, kv_weight, eps):
         raise TypeError(f"kv_a must have q_latent's dtype {q_latent.dtype}, got {kv_a.dtype}")
     if kv_a.device != q_latent.device:
         raise ValueError(f"kv_a must be on q_latent's device {q_latent.device}, got {kv_a.device}")
-    if kv_a.shape[:-1] != q_latent.shape[:-1]:
-        raise ValueError(f"kv_a must have q_latent's leading shape {tuple(q_latent.shape[:-1])}, got "
-                         f"{tuple(kv_a.shape)}")
+    def message():
+        return f"kv_a must have q_latent's leading shape {tuple(q_latent.shape[:-1])}, got {tuple(kv_a.shape)}"
+
+    if not ops.same_sizes(kv_a.shape[:-1], q_latent.shape[:-1], message):
+        raise ValueError(message())
     _check_latent_weight(q_weight, "q_weight", q_latent, q_latent.shape[-1])
     _check_latent_weight(kv_weight, "kv_weight", kv_a)
     if kv_weight.shape[0] > kv_a.shape[-1]:

@@ -199,6 +199,21 @@ def residual_dtypes(x_dtype: torch.dtype, residual_dtype, mixed: bool = True) ->
     return (x_dtype,) if residual_dtype is None else tuple(dict.fromkeys((x_dtype, torch.float32)))
 
 
+def same_sizes(a, b, message) -> bool:
+    """``a == b`` for two shapes. Under torch.compile a pair of sizes no guard can decide (sizes from
+    ``.item()``, slices of buffers of other lengths) is asserted when the graph runs instead, as
+    the reference's ``x + residual`` is (``message``: the ValueError's text where it fails)."""
+    if len(a) != len(b):
+        return False
+    for p, q in zip(a, b):
+        if type(p) is int and type(q) is int:
+            if p != q:
+                return False
+        else:
+            torch._check_value(p == q, message)
+    return True
+
+
 def check_residual(residual: torch.Tensor, x: torch.Tensor, residual_dtype, name: str = "residual",
                    fp32_hint: bool = True, x_name: str = "x", mixed: bool = True, why: str | None = None) -> None:
     """The residual beside ``x``: a dense tensor of x's shape and device, of a dtype
@@ -207,7 +222,8 @@ def check_residual(residual: torch.Tensor, x: torch.Tensor, residual_dtype, name
     if not isinstance(residual, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(residual).__name__}")
     check_dense(residual, name)
-    if residual.shape != x.shape:
+    if not same_sizes(residual.shape, x.shape,
+                      lambda: f"{name} must have {x_name}'s shape {tuple(x.shape)}, got {tuple(residual.shape)}"):
         raise ValueError(f"{name} must have {x_name}'s shape {tuple(x.shape)}, got {tuple(residual.shape)}")
     if residual.device != x.device:
         raise ValueError(f"{name} must be on {x_name}'s device {x.device}, got {residual.device}")
@@ -413,7 +429,7 @@ def _train_lane(x, residual, weight, options) -> bool:
         and weight.dim() == 1 and x.dim() >= 1 and x.shape[-1] == weight.shape[0] > 0
         and (x.is_contiguous() or rows_viewable(x)) and weight.is_contiguous()
         and (weight.is_cpu if x.is_cpu else weight.device == x.device)
-        and not x.is_inference()
+        and not x.is_inference() and not weight.is_inference()
     ):
         return False
     return residual is None or (
