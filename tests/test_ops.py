@@ -132,10 +132,15 @@ def test_compile_with_data_dependent_batch_sizes(monkeypatch):
         rows = live(n)
         return dsnorm.mla_latent_norms(q[1:1 + rows], kv[2:2 + rows], qw, kvw)
 
+    def last(hb, rb, lb, n):
+        rows = live(n)
+        return dsnorm.final_norm(hb[1:1 + rows], rb[2:2 + rows], w, lengths=lb[3:3 + rows])
+
     xb, rb = _rand((11, 64), seed=40), _rand((13, 64), seed=41)
     q, kv = _rand((10, 48), seed=42), _rand((12, 24), seed=43)
+    hb, hr, lb = _rand((10, 3, 64), seed=44), _rand((11, 3, 64), seed=45), torch.tensor([1, 2, 3] * 4)
     with torch.no_grad():
-        for fn, args in ((fused, (xb, rb)), (latent, (q, kv))):
+        for fn, args in ((fused, (xb, rb)), (latent, (q, kv)), (last, (hb, hr, lb))):
             compiled = torch.compile(fn, fullgraph=True, dynamic=True)
             for n in (3, 8):
                 got, want = compiled(*args, torch.tensor(n)), fn(*args, torch.tensor(n))

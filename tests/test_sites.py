@@ -232,7 +232,7 @@ def test_mtp_block_attn_norm_is_plain():
     assert mtp["mtp.attn_norm"].form == "plain" and mtp["mtp.ffn_norm"].form == "fused"
 
 
-def test_sites_json_must_not_replace_its_config(tmp_path, capsys):
+def test_sites_json_must_not_replace_its_config(tmp_path, capsys, monkeypatch):
     # Found by review: --json onto --config rewrote the config as the catalogue.
     cfg = tmp_path / "c.json"
     from dsnorm.sites import default_config_path
@@ -246,14 +246,15 @@ def test_sites_json_must_not_replace_its_config(tmp_path, capsys):
         assert "is the --config file" in capsys.readouterr().err
     assert cfg.read_bytes() == before
     # Nor the built-in config it reads without --config (the packaged file in an editable install).
-    from dsnorm.sites import default_config_path
+    # A copy stands in for the packaged file, so that a failing check overwrites only the copy.
+    import dsnorm.sites as sites
 
-    with open(default_config_path(), "rb") as f:
-        packaged = f.read()
-    assert cli.main(["sites", "--json", default_config_path()]) == 2
-    assert "is the --config file" in capsys.readouterr().err
-    with open(default_config_path(), "rb") as f:
-        assert f.read() == packaged
+    builtin = tmp_path / "builtin.json"
+    builtin.write_bytes(before)
+    monkeypatch.setattr(sites, "default_config_path", lambda: str(builtin))
+    assert cli.main(["sites", "--json", str(builtin)]) == 2
+    assert "is the built-in config file" in capsys.readouterr().err
+    assert builtin.read_bytes() == before
 
 
 def test_write_file_is_whole_or_nothing(tmp_path, monkeypatch):

@@ -150,9 +150,11 @@ def _check_final(h, residual, weight, eps, lengths):
             raise TypeError(f"lengths must be a torch.Tensor or None, got {type(lengths).__name__}")
         if lengths.dtype.is_floating_point or lengths.dtype.is_complex or lengths.dtype == torch.bool:
             raise TypeError(f"lengths must be an integer tensor, got {lengths.dtype}")
-        if lengths.shape != (h.shape[0],):
-            raise ValueError(f"lengths must have shape ({h.shape[0]},) (one per batch row of h), got "
-                             f"{tuple(lengths.shape)}")
+        def message():
+            return f"lengths must have shape ({h.shape[0]},) (one per batch row of h), got {tuple(lengths.shape)}"
+
+        if not ops.same_sizes(lengths.shape, (h.shape[0],), message):
+            raise ValueError(message())
         if lengths.device != h.device:
             raise ValueError(f"lengths must be on h's device {h.device}, got {lengths.device}")
 

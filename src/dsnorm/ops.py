@@ -202,7 +202,9 @@ def residual_dtypes(x_dtype: torch.dtype, residual_dtype, mixed: bool = True) ->
 def same_sizes(a, b, message) -> bool:
     """``a == b`` for two shapes. Under torch.compile a pair of sizes no guard can decide (sizes from
     ``.item()``, slices of buffers of other lengths) is asserted when the graph runs instead, as
-    the reference's ``x + residual`` is (``message``: the ValueError's text where it fails)."""
+    the reference's ``x + residual`` is: where that fails, torch raises its own RuntimeError naming
+    the size expression (``Eq(u1, u0)``); ``message`` is the ValueError's text where the sizes are
+    known (eager, or decided while tracing)."""
     if len(a) != len(b):
         return False
     for p, q in zip(a, b):

@@ -784,7 +784,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``dsnorm sites``; returns the exit status (2 on a bad config or site name)."""
-    if json_path_refused("sites", args.json, [("--config", args.config or default_config_path())]):
+    if json_path_refused("sites", args.json, [("--config", args.config), ("built-in config", default_config_path())]):
         return 2
     try:
         cfg = load_config(args.config)
