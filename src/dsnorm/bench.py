@@ -1493,8 +1493,7 @@ def run(args: argparse.Namespace) -> int:
     json_path = None if args.json == "-" else args.json
     for option, path in (("--json", json_path), ("--plot", args.plot)):
         problem = output_path_problem(path) if path else None
-        vllm_so = args.vllm_so or os.environ.get("DSNORM_VLLM_SO")
-        if problem is None and path and same_file(path, vllm_so):
+        if problem is None and path and same_file(path, find_vllm_so(args.vllm_so)[0]):
             problem = "is the vLLM extension the run loads (it would be overwritten)"
         if problem:
             print(f"dsnorm bench: {option} {path}: {problem}", file=sys.stderr)
