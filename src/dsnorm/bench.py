@@ -1491,9 +1491,10 @@ def run(args: argparse.Namespace) -> int:
         print("dsnorm bench: --plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
         return 2
     json_path = None if args.json == "-" else args.json
+    vllm_so = find_vllm_so(args.vllm_so)[0]
     for option, path in (("--json", json_path), ("--plot", args.plot)):
         problem = output_path_problem(path) if path else None
-        if problem is None and path and same_file(path, find_vllm_so(args.vllm_so)[0]):
+        if problem is None and path and same_file(path, vllm_so):
             problem = "is the vLLM extension the run loads (it would be overwritten)"
         if problem:
             print(f"dsnorm bench: {option} {path}: {problem}", file=sys.stderr)

@@ -696,23 +696,19 @@ def _same_values(back, v) -> bool:
     return bool(((back == v) | (back.isnan() & v.isnan())).all())
 
 
-def _extent(t) -> tuple:
-    """The address range ``[start, end)`` a strided tensor's elements lie in."""
-    start = t.data_ptr()
-    return start, start + (sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * t.element_size()
-
-
 def _tied_conflicts(plan: list, values: list) -> list:
     """Modules whose weights share memory (a gain tied by patch, overlapping views): one copy would
     overwrite the other's, so their checkpoint values must agree, and the weights must be the same
     elements (not partly overlapping views)."""
+    from dsnorm.ops import address_range
+
     problems = []
     seen: list = []  # (device, start, end, shape, strides, module name, tensor name, value)
     for (mname, mod, info), v in zip(plan, values):
         w = mod.weight
         if w.numel() == 0:
             continue
-        start, end = _extent(w)
+        start, end = address_range(w)
         for device, s0, e0, shape, strides, other, other_tensor, v0 in seen:
             if device != w.device or not (start < e0 and s0 < end):
                 continue

@@ -150,11 +150,8 @@ def _check_final(h, residual, weight, eps, lengths):
             raise TypeError(f"lengths must be a torch.Tensor or None, got {type(lengths).__name__}")
         if lengths.dtype.is_floating_point or lengths.dtype.is_complex or lengths.dtype == torch.bool:
             raise TypeError(f"lengths must be an integer tensor, got {lengths.dtype}")
-        def message():
-            return f"lengths must have shape ({h.shape[0]},) (one per batch row of h), got {tuple(lengths.shape)}"
-
-        if not ops.same_sizes(lengths.shape, (h.shape[0],), message):
-            raise ValueError(message())
+        ops.check_same_sizes(lengths.shape, (h.shape[0],), lambda: f"lengths must have shape ({h.shape[0]},) (one "
+                             f"per batch row of h), got {tuple(lengths.shape)}")
         if lengths.device != h.device:
             raise ValueError(f"lengths must be on h's device {h.device}, got {lengths.device}")
 
@@ -210,11 +207,8 @@ def _check_mla(q_latent, kv_a, q_weight, kv_weight, eps):
         raise TypeError(f"kv_a must have q_latent's dtype {q_latent.dtype}, got {kv_a.dtype}")
     if kv_a.device != q_latent.device:
         raise ValueError(f"kv_a must be on q_latent's device {q_latent.device}, got {kv_a.device}")
-    def message():
-        return f"kv_a must have q_latent's leading shape {tuple(q_latent.shape[:-1])}, got {tuple(kv_a.shape)}"
-
-    if not ops.same_sizes(kv_a.shape[:-1], q_latent.shape[:-1], message):
-        raise ValueError(message())
+    ops.check_same_sizes(kv_a.shape[:-1], q_latent.shape[:-1], lambda: f"kv_a must have q_latent's leading shape "
+                         f"{tuple(q_latent.shape[:-1])}, got {tuple(kv_a.shape)}")
     _check_latent_weight(q_weight, "q_weight", q_latent, q_latent.shape[-1])
     _check_latent_weight(kv_weight, "kv_weight", kv_a)
     if kv_weight.shape[0] > kv_a.shape[-1]:

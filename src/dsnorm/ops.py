@@ -199,21 +199,19 @@ def residual_dtypes(x_dtype: torch.dtype, residual_dtype, mixed: bool = True) ->
     return (x_dtype,) if residual_dtype is None else tuple(dict.fromkeys((x_dtype, torch.float32)))
 
 
-def same_sizes(a, b, message) -> bool:
-    """``a == b`` for two shapes. Under torch.compile a pair of sizes no guard can decide (sizes from
-    ``.item()``, slices of buffers of other lengths) is asserted when the graph runs instead, as
-    the reference's ``x + residual`` is: where that fails, torch raises its own RuntimeError naming
-    the size expression (``Eq(u1, u0)``); ``message`` is the ValueError's text where the sizes are
-    known (eager, or decided while tracing)."""
+def check_same_sizes(a, b, message) -> None:
+    """Raise ``ValueError(message())`` unless the shapes ``a`` and ``b`` are equal. Under
+    torch.compile a pair of sizes no guard can decide (sizes from ``.item()``, slices of buffers of
+    other lengths) is asserted when the graph runs instead, as the reference's ``x + residual`` is:
+    where that fails, torch raises its own RuntimeError naming the size expression (``Eq(u1, u0)``)."""
     if len(a) != len(b):
-        return False
+        raise ValueError(message())
     for p, q in zip(a, b):
         if type(p) is int and type(q) is int:
             if p != q:
-                return False
+                raise ValueError(message())
         else:
             torch._check_value(p == q, message)
-    return True
 
 
 def check_residual(residual: torch.Tensor, x: torch.Tensor, residual_dtype, name: str = "residual",
@@ -224,9 +222,8 @@ def check_residual(residual: torch.Tensor, x: torch.Tensor, residual_dtype, name
     if not isinstance(residual, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(residual).__name__}")
     check_dense(residual, name)
-    if not same_sizes(residual.shape, x.shape,
-                      lambda: f"{name} must have {x_name}'s shape {tuple(x.shape)}, got {tuple(residual.shape)}"):
-        raise ValueError(f"{name} must have {x_name}'s shape {tuple(x.shape)}, got {tuple(residual.shape)}")
+    check_same_sizes(residual.shape, x.shape,
+                     lambda: f"{name} must have {x_name}'s shape {tuple(x.shape)}, got {tuple(residual.shape)}")
     if residual.device != x.device:
         raise ValueError(f"{name} must be on {x_name}'s device {x.device}, got {residual.device}")
     allowed = residual_dtypes(x.dtype, residual_dtype, mixed)
@@ -555,21 +552,9 @@ def check_inplace_weight(weight, x, residual) -> None:
     """The kernel reads the weight while it writes x and residual (torch's in-place ops refuse the
     same: ``a.mul_(a[0])``)."""
     for name, t in (("x", x), ("residual", residual)):
-        if _overlaps(weight, t) and not _between_rows(weight, t):
+        if _overlaps(t, weight):
             raise ValueError(f"weight must not share memory with {name} in the in-place form (it is read "
                              f"while {name} is written); pass weight.clone()")
-
-
-def _between_rows(weight: torch.Tensor, t: torch.Tensor) -> bool:
-    """Whether a contiguous weight lies wholly in one gap between the rows of a rows-viewable ``t``
-    (``buf[0, 2n:]`` beside ``buf[:, :n]``): inside t's address range, sharing no element."""
-    if not (weight.is_contiguous() and rows_viewable(t) and t.dim() >= 2):
-        return False
-    stride = row_stride(t) * t.element_size()
-    if stride <= 0:
-        return False
-    offset = (weight.data_ptr() - t.data_ptr()) % stride  # where the weight starts within t's row period
-    return t.shape[-1] * t.element_size() <= offset and offset + weight.numel() * weight.element_size() <= stride
 
 
 def _rows_overlap(t: torch.Tensor) -> bool:
@@ -588,21 +573,26 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     # views of one array, DLPack, frombuffer), and the kernel writes x while it reads residual.
     if a.numel() == 0 or b.numel() == 0:
         return False
-    a0 = a.data_ptr()
-    b0 = b.data_ptr()
-    a1 = a0 + (sum((s - 1) * st for s, st in zip(a.shape, a.stride())) + 1) * a.element_size()
-    b1 = b0 + (sum((s - 1) * st for s, st in zip(b.shape, b.stride())) + 1) * b.element_size()
+    a0, a1 = address_range(a)
+    b0, b1 = address_range(b)
     return a0 < b1 and b0 < a1 and not _rows_interleave(a, b)
 
 
+def address_range(t: torch.Tensor) -> tuple:
+    """The bytes ``[start, end)`` a strided, non-empty tensor's elements lie in."""
+    start = t.data_ptr()
+    return start, start + (sum((s - 1) * st for s, st in zip(t.shape, t.stride())) + 1) * t.element_size()
+
+
 def _rows_interleave(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two rows-viewable tensors whose address ranges overlap still share no element: rows
-    with one common row stride in bytes whose column spans are disjoint (``buf[:, :n]`` and
-    ``buf[:, n:]`` of one ``[rows, 2n]`` buffer)."""
-    if not (rows_viewable(a) and rows_viewable(b)) or a.dim() < 2 or b.dim() < 2:
+    """Whether two rows-viewable tensors whose address ranges overlap still share no element: ``b``'s
+    rows lie in the gaps between ``a``'s, at one common row stride in bytes (``buf[:, :n]`` and
+    ``buf[:, n:]`` of one ``[rows, 2n]`` buffer), or ``b`` is 1-D and lies in one gap (a weight,
+    ``buf[0, 2n:]`` beside ``buf[:, :n]``)."""
+    if not (rows_viewable(a) and rows_viewable(b)) or a.dim() < 2:
         return False
     stride = row_stride(a) * a.element_size()
-    if stride != row_stride(b) * b.element_size() or stride <= 0:
+    if stride <= 0 or (b.dim() >= 2 and stride != row_stride(b) * b.element_size()) or b.dim() == 0:
         return False
     width_a, width_b = a.shape[-1] * a.element_size(), b.shape[-1] * b.element_size()
     offset = (b.data_ptr() - a.data_ptr()) % stride  # where b's rows start within a's row period
