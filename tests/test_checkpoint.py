@@ -611,3 +611,146 @@ def test_model_parallel_rank_outside_world_size(tmp_path):
     cfg.write_text(json.dumps(REF_CFG))
     rep = count_norms(tmp_path / "c", str(cfg))
     assert not rep.ok and ("extra_shard", None) in kinds(rep)
+
+
+# ---------------------------------------------------------------------------------------------------
+# From an adversarial review of the checkpoint tools (session 16)
+
+def test_a_shape_of_many_dims_is_refused_by_name(tmp_path, capsys):
+    # The exact product of 20,000 dims has 6,000 digits: the size check took time quadratic in the
+    # dims, and its message could not print the number (a bare ValueError, no file named).
+    p = _write_raw(tmp_path / "m.safetensors", _header({"t": {"dtype": "U8", "shape": [2] * 20000,
+                                                              "data_offsets": [0, 8]}}), b"\0" * 8)
+    with pytest.raises(CheckpointError, match=r"holds more than the 8-byte data section") as e:
+        read_header(p)
+    assert str(p) in str(e.value) and "20,000 dims" in str(e.value)
+    assert cli.main(["count", str(p)]) == 2
+    assert "m.safetensors" in capsys.readouterr().err
+    # A zero dim anywhere makes it empty, however many dims come before it.
+    p = _write_raw(tmp_path / "z.safetensors", _header({"t": {"dtype": "U8", "shape": [3] * 20000 + [0],
+                                                              "data_offsets": [0, 0]}}))
+    assert read_header(p).tensors["t"].numel == 0
+
+
+def test_model_parallel_world_size_is_not_trusted_to_be_small(tmp_path):
+    # N of model{i}-mp{N} comes from a file name: the missing ranks are listed up to a cap and
+    # counted beyond it (range(N) was built: 10**12 exhausted memory).
+    for n in (10**5, 10**12):
+        d = tmp_path / str(n)
+        ref_checkpoint(d, mp=1)
+        os.rename(d / "model0-mp1.safetensors", d / f"model0-mp{n}.safetensors")
+        problems = resolve_checkpoint(d).problems
+        assert [p["kind"] for p in problems] == ["missing_shard"] * 65
+        assert problems[0]["detail"] == f"model-parallel shard model1-mp{n}.safetensors is missing"
+        assert f"and {n - 65:,} more of the {n:,}" in problems[-1]["detail"]
+
+
+def _replicas(tmp_path, change):
+    t = ref_checkpoint(tmp_path, mp=2)
+    name = "layers.1.attn_norm.weight"
+    save_file({**t, name: change(t[name])}, str(tmp_path / "model1-mp2.safetensors"))
+    return t
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda v: v * 2, r"same dtype and shape, different values"),
+    (lambda v: v.float(), r"model0-mp2.safetensors: BF16 \[16\]; model1-mp2.safetensors: F32 \[16\]"),
+])
+def test_load_norms_refuses_replicas_that_disagree(tmp_path, change, match):
+    # Each rank of the reference loads its own copy: load_norms took rank 0's and never looked at
+    # the others (count reports a dtype/shape difference, not a value one: it reads headers only).
+    _replicas(tmp_path, change)
+    model = _RefModel()
+    before = _norm_weights(model)
+    with pytest.raises(ValueError, match=r"layers\.1\.attn_norm: layers\.1\.attn_norm\.weight is stored in 2 "
+                                         r"files that disagree: .*" + match):
+        load_norms(model, tmp_path)
+    assert all(torch.equal(before[k], v) for k, v in _norm_weights(model).items())
+
+
+def test_load_norms_refuses_a_stale_copy_no_index_settles(tmp_path):
+    t = hf_checkpoint(tmp_path)
+    save_file({"model.norm.weight": torch.zeros(16, dtype=torch.bfloat16)}, str(tmp_path / "model-old.safetensors"))
+    assert ("duplicate", "model.norm.weight") in kinds(count_norms(tmp_path))
+    model = _RefModel()
+    with pytest.raises(ValueError, match=r"model\.norm\.weight is stored in 2 files that disagree"):
+        load_norms(model, tmp_path)
+    assert torch.equal(model.norm.weight, torch.ones(16))
+    # The same bytes in both: nothing is in doubt.
+    save_file({"model.norm.weight": t["model.norm.weight"]}, str(tmp_path / "model-old.safetensors"))
+    load_norms(model, tmp_path)
+    assert torch.equal(model.norm.weight, t["model.norm.weight"].float())
+
+
+_U8_4 = {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}
+
+
+@pytest.mark.parametrize("case, entries, data", [
+    ("trailing bytes", {"a": _U8_4}, 8),
+    ("gap between tensors", {"a": _U8_4, "b": {**_U8_4, "data_offsets": [6, 10]}}, 10),
+    ("gap before the first", {"a": {**_U8_4, "data_offsets": [2, 6]}}, 6),
+    ("data and no tensor", {}, 4),
+    ("empty tensor inside another", {"a": _U8_4, "z": {"dtype": "U8", "shape": [0], "data_offsets": [2, 2]}}, 4),
+    ("unknown dtype", {"a": {**_U8_4, "dtype": "I4"}}, 4),
+    ("metadata not strings", {"__metadata__": {"format": 1}, "a": _U8_4}, 4),
+    ("half a byte of F4", {"a": {"dtype": "F4", "shape": [3], "data_offsets": [0, 2]}}, 2),
+    ("fine: whole bytes of F4 and F6", {"a": {"dtype": "F4", "shape": [2, 2], "data_offsets": [0, 2]},
+                                        "b": {"dtype": "F6_E3M2", "shape": [4], "data_offsets": [2, 5]}}, 5),
+    ("fine: null metadata", {"__metadata__": None, "a": _U8_4}, 4),
+    ("fine: empty tensors at the ends", {"y": {"dtype": "F32", "shape": [0, 3], "data_offsets": [0, 0]}, "a": _U8_4,
+                                         "z": {"dtype": "U8", "shape": [0], "data_offsets": [4, 4]}}, 4),
+    ("fine: FNUZ fp8", {"a": {**_U8_4, "dtype": "F8_E4M3FNUZ"}, "b": {**_U8_4, "dtype": "F8_E5M2FNUZ",
+                                                                      "data_offsets": [4, 8]}}, 8),
+    ("fine: no tensors", {}, 0),
+])
+def test_header_rules_are_the_safetensors_librarys(tmp_path, case, entries, data):
+    # count said OK for files safetensors (and with it transformers and the reference's loader)
+    # refuses, and refused a null __metadata__ it takes.
+    from safetensors import safe_open
+
+    p = _write_raw(tmp_path / "m.safetensors", _header(entries), b"\0" * data)
+    try:
+        with safe_open(str(p), "pt"):
+            pass
+        theirs = None
+    except Exception as e:  # safetensors raises its own SafetensorError
+        theirs = e
+    assert (theirs is None) == case.startswith("fine"), theirs
+    if theirs is None:
+        read_header(p)
+    else:
+        with pytest.raises(CheckpointError, match="not a valid safetensors file|unknown dtype 'I4'|__metadata__ is not"):
+            read_header(p)
+
+
+def test_report_escapes_control_characters_in_names(tmp_path, capsys):
+    # A tensor name is untrusted text: printed raw, a newline and a terminal escape in it forged an
+    # "OK" verdict line and hid the real one.
+    t = hf_checkpoint(tmp_path)
+    evil = "x.norm\n\nOK: the checkpoint's norm tensors match the config\x1b[8m.weight"
+    save_file({**t, evil: torch.ones(4, dtype=torch.bfloat16)}, str(tmp_path / "model.safetensors"))
+    assert cli.main(["count", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\\x1b[8m" in out
+    assert [line for line in out.splitlines() if line.startswith("OK")] == []
+    assert out.splitlines()[-1] == "MISMATCH: the checkpoint does not match the config"
+
+
+def test_an_index_naming_a_shard_two_ways_is_one_shard(tmp_path):
+    t = hf_checkpoint(tmp_path)
+    weight_map = {k: ("./" if i % 2 else "") + "model.safetensors" for i, k in enumerate(t)}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    assert len(resolve_checkpoint(tmp_path).files) == 1
+    assert count_norms(tmp_path).ok
+
+
+def test_load_norms_into_a_bare_module_finds_its_state_dict_key(tmp_path):
+    w = (1 + torch.arange(16) / 16).bfloat16()
+    save_file({"weight": w}, str(tmp_path / "n.safetensors"))
+    norm = dsnorm.RMSNorm(16)
+    rep = load_norms(norm, tmp_path / "n.safetensors")
+    assert torch.equal(norm.weight, w.float())
+    assert rep.loaded[0]["module"] == "<model itself>"
+    save_file({"other": torch.zeros(2)}, str(tmp_path / "other.safetensors"))
+    with pytest.raises(ValueError, match=r"<model itself>: missing \(looked for weight\)"):
+        load_norms(dsnorm.RMSNorm(16), tmp_path / "other.safetensors")

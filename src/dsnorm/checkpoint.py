@@ -19,6 +19,7 @@ before anything is believed; every problem is a :class:`CheckpointError` naming 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -50,12 +51,14 @@ DTYPE_BITS = {
     "I16": 16, "U16": 16, "F16": 16, "BF16": 16,
     "I32": 32, "U32": 32, "F32": 32,
     "I64": 64, "U64": 64, "F64": 64, "C64": 64,
-    "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6,
+    "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8,
 }
 # Norm gains are stored as floats, and load_norms reads each of them: 16-bit and F32 values widen
 # exactly to a float32 parameter, F64 ones load when every value is exactly a float32.
 FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")
 LOADABLE_DTYPES = FLOAT_DTYPES
+# Missing model-parallel ranks listed one by one; more are counted in one line.
+MAX_LISTED_SHARDS = 64
 MP_SHARD = re.compile(r"^model(\d+)-mp(\d+)\.safetensors$")
 
 
@@ -76,7 +79,8 @@ class TensorInfo:
 
     @property
     def numel(self) -> int:
-        return math.prod(self.shape)
+        # read_header bounded every nonzero product by the file's size; a zero dim ends it first.
+        return 0 if 0 in self.shape else math.prod(self.shape)
 
 
 @dataclass
@@ -107,6 +111,23 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _bounded_numel(shape: list, limit: int) -> Optional[int]:
+    """``prod(shape)``, or ``None`` once it passes ``limit``: a hostile shape of a million dims must
+    not cost a product of a million digits (and a message that cannot print it)."""
+    if 0 in shape:
+        return 0
+    numel = 1
+    for d in shape:
+        numel *= d
+        if numel > limit:
+            return None
+    return numel
+
+
+def _shape_text(shape: list) -> str:
+    return str(shape) if len(shape) <= 8 else f"[{', '.join(map(str, shape[:4]))}, ...] ({len(shape):,} dims)"
+
+
 def read_header(path: Union[str, os.PathLike], max_header_bytes: int = MAX_HEADER_BYTES) -> SafetensorsHeader:
     """Parse and validate the header of a safetensors file without reading any tensor data.
 
@@ -119,8 +140,9 @@ def read_header(path: Union[str, os.PathLike], max_header_bytes: int = MAX_HEADE
 
     Raises:
         CheckpointError: unreadable file, header length over the cap or past the end of the file,
-            invalid UTF-8/JSON, malformed entries, unknown-size data, offsets out of range or
-            overlapping, or a data section shorter than the header describes (truncated file).
+            invalid UTF-8/JSON, malformed entries, an unknown dtype, a size that does not match the
+            shape, or offsets that do not tile the data section exactly (out of range, overlapping,
+            a gap, trailing bytes, a truncated file), as the safetensors library refuses them.
     """
     path = os.fspath(path)
 
@@ -152,9 +174,12 @@ def read_header(path: Union[str, os.PathLike], max_header_bytes: int = MAX_HEADE
         raise fail(f"header is not valid JSON: {e}") from None
     if not isinstance(obj, dict):
         raise fail(f"header JSON is a {type(obj).__name__}, not an object")
-    metadata = obj.pop("__metadata__", {})
-    if not isinstance(metadata, dict):
-        raise fail("__metadata__ is not an object")
+    # The rules below are the safetensors library's own (0.8), so that a file it refuses, and with
+    # it transformers and the reference's loader, is not reported as a good checkpoint here.
+    metadata = obj.pop("__metadata__", None)
+    metadata = {} if metadata is None else metadata
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise fail("__metadata__ is not an object of strings")
     data_size = size - 8 - n
     tensors = {}
     spans = []
@@ -176,17 +201,33 @@ def read_header(path: Union[str, os.PathLike], max_header_bytes: int = MAX_HEADE
                 "(file truncated?)"
             )
         bits = DTYPE_BITS.get(dtype)
-        if bits is not None:
-            need = (math.prod(shape) * bits + 7) // 8
-            if end - begin != need:
-                raise fail(f"tensor {name!r}: {dtype} {shape} needs {need:,} bytes, data_offsets give {end - begin:,}")
+        if bits is None:
+            raise fail(f"tensor {name!r}: unknown dtype {dtype!r} (safetensors knows {', '.join(DTYPE_BITS)})")
+        numel = _bounded_numel(shape, 8 * data_size)
+        if numel is None:
+            raise fail(f"tensor {name!r}: {dtype} {_shape_text(shape)} holds more than the "
+                       f"{data_size:,}-byte data section")
+        if numel * bits % 8:
+            raise fail(f"tensor {name!r}: {dtype} {_shape_text(shape)} does not end on a byte boundary "
+                       f"({numel:,} x {bits} bits; not a valid safetensors file)")
+        need = numel * bits // 8
+        if end - begin != need:
+            raise fail(f"tensor {name!r}: {dtype} {_shape_text(shape)} needs {need:,} bytes, "
+                       f"data_offsets give {end - begin:,}")
         tensors[name] = TensorInfo(name, dtype, tuple(shape), 8 + n + begin, 8 + n + end, path)
-        if end > begin:
-            spans.append((begin, end, name))
+        spans.append((begin, end, name))
+    # The tensors tile the data section: each begins where the one before ends (an empty one
+    # anywhere on that boundary), with no gap, overlap or trailing bytes.
     spans.sort()
-    for (_, e0, a), (b1, _, b) in zip(spans, spans[1:]):
-        if b1 < e0:
-            raise fail(f"tensors {a!r} and {b!r} overlap in the data section")
+    covered, last = 0, None
+    for begin, end, name in spans:
+        if begin != covered:
+            what = f"overlaps {last!r}" if begin < covered else f"leaves a gap of {begin - covered:,} bytes before it"
+            raise fail(f"tensor {name!r}: data_offsets [{begin}, {end}] {what} (not a valid safetensors file)")
+        covered, last = end, name
+    if covered != data_size:
+        raise fail(f"the tensors cover {covered:,} of the {data_size:,}-byte data section; the rest belongs to "
+                   f"no tensor (not a valid safetensors file)")
     return SafetensorsHeader(path, size, n, tensors, metadata)
 
 
@@ -230,7 +271,7 @@ def _read_index(index_path: str) -> dict:
         # The index is untrusted: it may only name files inside its own directory.
         if os.path.isabs(fname) or ".." in fname.replace("\\", "/").split("/"):
             raise CheckpointError(f"{index_path}: weight_map[{name!r}] = {fname!r} points outside the checkpoint directory")
-        out[name] = os.path.join(root, fname)
+        out[name] = os.path.normpath(os.path.join(root, fname))  # "x" and "./x" are one shard
     missing = sorted({f for f in out.values() if not os.path.isfile(f)})
     if missing:
         raise CheckpointError(f"{index_path}: index names shard file(s) that do not exist: {', '.join(missing)}")
@@ -284,10 +325,18 @@ def resolve_checkpoint(path: Union[str, os.PathLike]) -> CheckpointFiles:
         (n,) = sizes
         result.layout, result.mp_size = "model-parallel", n
         result.files = [f for _, f in sorted(zip((int(m.group(1)) for m in mp), files))]
-        for r in sorted(set(range(n)) - set(ranks)):
+        # n comes from a file name: never build range(n) (model0-mp1000000000000.safetensors).
+        present = {r for r in ranks if r < n}
+        missing = (r for r in range(n) if r not in present)
+        for r in itertools.islice(missing, MAX_LISTED_SHARDS):
             result.problems.append({"kind": "missing_shard", "tensor": None, "site": None,
                                     "detail": f"model-parallel shard model{r}-mp{n}.safetensors is missing"})
-        for r in sorted(set(ranks) - set(range(n))):
+        more = n - len(present) - MAX_LISTED_SHARDS
+        if more > 0:
+            result.problems.append({"kind": "missing_shard", "tensor": None, "site": None,
+                                    "detail": f"and {more:,} more of the {n:,} model-parallel shards are missing "
+                                              f"({len(present):,} present)"})
+        for r in sorted(set(ranks) - present):
             result.problems.append({"kind": "extra_shard", "tensor": None, "site": None,
                                     "detail": f"shard model{r}-mp{n}.safetensors has a rank outside 0..{n - 1}"})
     return result
@@ -585,6 +634,13 @@ def count_norms(path: Union[str, os.PathLike], config: Union[None, str, os.PathL
     )
 
 
+def printable(line: str) -> str:
+    """``line`` with its control characters escaped (``\\n``, ``\\x1b``...): tensor and file names
+    come from untrusted files, and a name holding a newline or a terminal escape could otherwise
+    print a forged verdict line or hide the real one."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in line)
+
+
 def render_report(rep: CountReport, max_lines: int = 60) -> str:
     """A plain-text rendering of a :class:`CountReport`, listing at most ``max_lines`` mismatches."""
     layout = rep.layout + (f" (mp{rep.mp_size}: each norm replicated in every shard, counted once)" if rep.mp_size else "")
@@ -620,7 +676,7 @@ def render_report(rep: CountReport, max_lines: int = 60) -> str:
         out.append("MISMATCH: the checkpoint does not match the config")
     else:
         out += ["", "OK: the checkpoint's norm tensors match the config"]
-    return "\n".join(out) + "\n"
+    return "\n".join(printable(line) for line in out) + "\n"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -642,7 +698,7 @@ class LoadReport:
         lines += [f"  {r['module']} <- {r['tensor']} ({r['dtype']} {r['shape']}, {os.path.basename(r['file'])})" for r in self.loaded]
         if self.unused:
             lines.append(f"{len(self.unused)} norm tensor(s) of the checkpoint not used: " + ", ".join(self.unused))
-        return "\n".join(lines)
+        return "\n".join(printable(line) for line in lines)
 
 
 _MODULE_LAYER = re.compile(
@@ -673,10 +729,7 @@ def tensor_name(base_key: str, layer: Optional[int], naming: str, param: str = "
     return None if suffix is None else f"layers.{layer}.{suffix}.{param}"
 
 
-def _read_tensor(info: TensorInfo):
-    import torch
-
-    dtypes = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
+def _read_bytes(info: TensorInfo) -> bytes:
     try:
         with open(info.file, "rb") as f:
             f.seek(info.begin)
@@ -685,6 +738,14 @@ def _read_tensor(info: TensorInfo):
         raise CheckpointError(f"{info.file}: cannot read tensor {info.name!r}: {e.strerror or e}") from None
     if len(raw) != info.end - info.begin:
         raise CheckpointError(f"{info.file}: tensor {info.name!r} is truncated ({len(raw)} of {info.end - info.begin} bytes)")
+    return raw
+
+
+def _read_tensor(info: TensorInfo, raw: Optional[bytes] = None):
+    import torch
+
+    dtypes = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
+    raw = _read_bytes(info) if raw is None else raw
     t = torch.frombuffer(bytearray(raw), dtype=dtypes[info.dtype]) if raw else torch.empty(0, dtype=dtypes[info.dtype])
     if sys.byteorder != "little":
         t = t.view(torch.uint8).view(-1, t.element_size()).flip(-1).reshape(-1).view(dtypes[info.dtype])
@@ -694,6 +755,25 @@ def _read_tensor(info: TensorInfo):
 def _same_values(back, v) -> bool:
     """Whether ``back`` (``v`` cast to another dtype and back) still holds every value of ``v``, NaN as NaN."""
     return bool(((back == v) | (back.isnan() & v.isnan())).all())
+
+
+def _copies_disagree(chosen: TensorInfo, raw: bytes, infos: list, files: CheckpointFiles, realpath) -> Optional[str]:
+    """Why the copies of a tensor stored in several files leave its value in doubt, else ``None``.
+    The shard an index names settles it; otherwise (model-parallel replicas, a stale shard left in
+    a directory) every copy must hold the chosen one's dtype, shape and bytes, as each rank of the
+    reference loads its own copy."""
+    listed = files.weight_map.get(chosen.name) if files.weight_map else None
+    if len(infos) == 1 or (listed is not None and realpath(listed) == realpath(chosen.file)):
+        return None
+    differ = [i for i in infos if i is not chosen and ((i.dtype, i.shape) != (chosen.dtype, chosen.shape)
+                                                        or _read_bytes(i) != raw)]
+    if not differ:
+        return None
+    return (f"{chosen.name} is stored in {len(infos)} files that disagree: "
+            + "; ".join(f"{os.path.basename(i.file)}: {i.dtype} {list(i.shape)}" for i in [chosen, *differ])
+            + (" (same dtype and shape, different values)" if all((i.dtype, i.shape) == (chosen.dtype, chosen.shape)
+                                                                  for i in differ) else "")
+            + "; remove the stale copy or fix the shards")
 
 
 def _tied_conflicts(plan: list, values: list) -> list:
@@ -754,6 +834,9 @@ def load_norms(model, path: Union[str, os.PathLike]) -> LoadReport:
     puts back those before it). Parameters on the meta device are refused (a copy into them keeps
     nothing): materialise the model first. A gain tied between modules (one parameter, as
     :func:`dsnorm.patch` keeps it) loads when the checkpoint holds the same values for each of them.
+    A tensor stored in several files loads from the shard the index names; without an index saying
+    so (model-parallel replicas, a stale shard in a directory), only when every copy holds the same
+    dtype, shape and bytes. A bare ``RMSNorm`` takes the tensor ``weight``, its state_dict key.
 
     Args:
         model: an ``nn.Module`` holding ``dsnorm.RMSNorm`` modules (e.g. after :func:`dsnorm.patch`).
@@ -798,12 +881,13 @@ def load_norms(model, path: Union[str, os.PathLike]) -> LoadReport:
 
     problems, plan = [], []
     for mname, mod in targets:
-        cands = [f"{mname}.weight"]
+        cands = [f"{mname}.weight" if mname else "weight"]  # as in model.state_dict()
         site = module_site(mname)
         if site is not None:
             t = tensor_name(site[0], site[1], naming)
             if t is not None:
                 cands.append(t)
+        mname = mname or "<model itself>"
         info = next((tensors[c] for c in cands if c in tensors), None)
         if info is None:
             problems.append(f"{mname}: missing (looked for {' or '.join(dict.fromkeys(cands))})")
@@ -835,7 +919,13 @@ def load_norms(model, path: Union[str, os.PathLike]) -> LoadReport:
 
     values = []
     for mname, mod, info in plan:
-        v = _read_tensor(info)
+        raw = _read_bytes(info)
+        problem = _copies_disagree(info, raw, copies[info.name], files, realpath)
+        if problem:
+            problems.append(f"{mname}: {problem}")
+            values.append(None)
+            continue
+        v = _read_tensor(info, raw)
         p = mod.weight
         cast = v.to(dtype=p.dtype, device=p.device)
         # The parameter must hold the stored value exactly: an F64 gain, or a parameter cast down
@@ -851,7 +941,8 @@ def load_norms(model, path: Union[str, os.PathLike]) -> LoadReport:
                 problems.append(f"{mname}: {info.name} ({info.dtype}) is not exactly representable in the "
                                 f"patched norm's {gain} gain (the dtype HF's parameter would have)")
         values.append(cast)
-    problems += _tied_conflicts(plan, values)
+    read = [i for i, v in enumerate(values) if v is not None]
+    problems += _tied_conflicts([plan[i] for i in read], [values[i] for i in read])
     if problems:
         raise ValueError(f"load_norms({files.path}): nothing loaded; {len(problems)} problem(s):\n  " + "\n  ".join(problems))
     _copy_all(plan, values)
@@ -900,7 +991,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         rep = count_norms(args.path, args.config)
     except (ValueError, TypeError) as e:
-        print(f"dsnorm count: error: {e}", file=sys.stderr)
+        print("dsnorm count: error: " + "\n".join(map(printable, str(e).split("\n"))), file=sys.stderr)
         return 2
     if args.json == "-":
         json.dump(rep.to_dict(), sys.stdout, indent=1)
