@@ -319,6 +319,28 @@ def test_final_norm_bitwise(dtype, batch, seq, n):
     assert y_full.shape == h.shape and bits_equal(y_full, y_ref) and bits_equal(r_full, r_ref)
 
 
+def test_final_norm_launches_from_the_lengths_it_checked(monkeypatch):
+    # The kernel reads h at lengths[b] - 1 unchecked. It read the caller's tensor again after the
+    # check, so a value written in between (another thread reusing the buffer) was used unchecked:
+    # out of bounds, a segfault (found by a concurrency review). Here the "other thread" writes a
+    # valid but different value right after the check: the result must be for the values checked.
+    gen = gen_of(5)
+    h, r = randn((3, 5, 512), torch.bfloat16, gen), randn((3, 5, 512), torch.bfloat16, gen)
+    w = randn((512,), torch.float32, gen)
+    lengths = torch.tensor([5, 3, 2])
+    y_ref, r_ref = fused_add_rms_norm_ref(h, r, w)
+    check = fusions._check_lengths_values
+
+    def check_then_rewrite(lens, seq):
+        check(lens, seq)
+        lengths.fill_(1)
+
+    monkeypatch.setattr(fusions, "_check_lengths_values", check_then_rewrite)
+    y, ro = final_norm(h, r, w, lengths=lengths)
+    rows, want = torch.arange(3), torch.tensor([5, 3, 2])
+    assert bits_equal(y, y_ref[rows, want - 1]) and bits_equal(ro, r_ref[rows, want - 1])
+
+
 def test_final_norm_strided_h():
     # h as a [B, T, d] view of a [T, B, d] buffer, residual with padded rows: read in place.
     gen = gen_of(21)

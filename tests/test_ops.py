@@ -1,17 +1,19 @@
 """The torch.library ops (opcheck, fakes, torch.compile), the module contract, import hygiene,
 bad input, the in-place form and concurrency."""
 
+import os
 import subprocess
 import sys
 import textwrap
 import threading
 
+import numba
 import numpy as np
 import pytest
 import torch
 
 import dsnorm
-from dsnorm import ops
+from dsnorm import cpu, cpu_fusions, ops
 from dsnorm.ref import RMSNormRef, fused_add_rms_norm_ref, rms_norm_ref
 
 from conftest import bits_equal
@@ -399,6 +401,80 @@ def test_thread_count_follows_torch(threads):
     torch.set_num_threads(2)
     assert bits_equal(dsnorm.rms_norm(x, torch.ones(1536)), y1)
     assert torch.get_num_threads() == 2
+
+
+def test_kernels_release_the_gil():
+    # As torch's ops do: a request thread per core (each with torch.set_num_threads(1)) runs its
+    # norms in parallel, and an event loop is not stalled for a prefill norm's length. Every
+    # kernel Python calls (inlined ones are not called from Python) is compiled nogil.
+    called = {f"{mod.__name__}.{name}": obj for mod in (cpu, cpu_fusions) for name, obj in vars(mod).items()
+              if isinstance(obj, numba.core.registry.CPUDispatcher) and obj.__module__ == mod.__name__
+              and obj.targetoptions.get("inline") != "always"}
+    assert len(called) >= 20
+    assert [name for name, kernel in called.items() if not kernel.targetoptions.get("nogil")] == []
+
+
+_THREADS_SCRIPT = r"""
+import sys, threading, torch, numba, dsnorm
+from concurrent.futures import ThreadPoolExecutor
+torch.set_num_threads(2)
+x = torch.randn(64, 7168, dtype=torch.bfloat16); r = torch.randn_like(x); w = torch.rand(7168) + 0.5
+q, kv = torch.randn(64, 1536, dtype=torch.bfloat16), torch.randn(64, 576, dtype=torch.bfloat16)
+xf = x.float().requires_grad_(); dy = torch.randn(64, 7168)
+def step():
+    with torch.no_grad():
+        out = [*dsnorm.fused_add_rms_norm(x, r, w), *dsnorm.rms_norm_fp8(x, w),
+               *dsnorm.mla_latent_norms(q, kv, w[:1536].clone(), w[:512].clone()),
+               *dsnorm.final_norm(x.view(8, 8, 7168), r.view(8, 8, 7168), w, lengths=torch.full((8,), 3))]
+    (g,) = torch.autograd.grad(dsnorm.rms_norm(xf, w), xf, dy)
+    return [t.contiguous().view(torch.uint8) for t in out + [g]]
+want = step()
+assert numba.threading_layer() == sys.argv[1], numba.threading_layer()
+with ThreadPoolExecutor(4) as ex:
+    got = list(ex.map(lambda i: step(), range(40)))
+assert all(all(torch.equal(a, b) for a, b in zip(g, want)) for g in got)
+print("ok")
+"""
+
+
+def test_parallel_calls_from_several_threads_on_the_workqueue_layer():
+    # numba's workqueue layer (a user's NUMBA_THREADING_LAYER choice) aborts the process when two
+    # threads launch on its pool at once ("Concurrent access has been detected", SIGABRT): dsnorm's
+    # parallel launches take turns there. Bitwise the single-threaded results.
+    env = dict(os.environ, NUMBA_THREADING_LAYER="workqueue", NUMBA_NUM_THREADS="2")
+    done = subprocess.run([sys.executable, "-c", _THREADS_SCRIPT, "workqueue"], capture_output=True, text=True,
+                          timeout=600, env=env)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", (done.returncode, done.stderr[-2000:])
+
+
+_STALE_COUNT_SCRIPT = r"""
+import threading, torch, dsnorm
+torch.set_num_threads(2)
+x, w = torch.randn(64, 7168), torch.ones(7168)
+go, seen = threading.Event(), {}
+def worker():
+    seen["worker"] = torch.get_num_threads()  # this thread's count: 2, from before the set below
+    go.wait()
+    dsnorm.rms_norm(x, w)  # the process's first parallel call starts numba's pool
+t = threading.Thread(target=worker); t.start()
+while "worker" not in seen:
+    pass
+torch.set_num_threads(1)  # the server configures torch
+go.set(); t.join()
+later = threading.Thread(target=lambda: seen.update(later=torch.get_num_threads())); later.start(); later.join()
+print(seen["worker"], torch.get_num_threads(), seen["later"])
+"""
+
+
+def test_starting_the_pool_keeps_a_thread_count_set_elsewhere():
+    # Starting the pool reset the calling thread's count, and dsnorm put it back with
+    # torch.set_num_threads, which also sets the count of threads started later: from a worker
+    # whose count predated the main thread's set_num_threads(1), that undid the 1.
+    env = dict(os.environ, NUMBA_NUM_THREADS="2")
+    done = subprocess.run([sys.executable, "-c", _STALE_COUNT_SCRIPT], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["2", "1", "1"]
 
 
 FORK_SCRIPT = r"""

@@ -55,7 +55,9 @@ from dsnorm.ops import EPS_MIN as _EPS_MIN
 from dsnorm.ops import dispatch_free, row_stride, rows_viewable
 
 # Threads: numba's "threadsafe" layers (tbb when installed, else omp) may be entered from several
-# Python threads at once (its default workqueue layer may not); respect a layer the user chose.
+# Python threads at once (its default workqueue layer may not); respect a layer the user chose
+# (on workqueue, on_pool has parallel launches take turns). Every kernel Python calls is nogil:
+# concurrent callers' kernels run at once, as torch's ops do, each on its own thread-local scratch.
 if "NUMBA_THREADING_LAYER" not in os.environ:
     numba.config.THREADING_LAYER = "threadsafe"
 
@@ -549,7 +551,7 @@ def _load_span(
 # Not inlined: numba's parfor pass analyses what it inlines into a prange body and dropped the
 # rstd store made through a raw pointer there (a wrong result, found by the tests). A call is
 # opaque to it, and costs one call per thread.
-@njit(cache=_CACHE)
+@njit(nogil=True, cache=_CACHE)
 def _forward_rows(
     r0, r1, n, scratch,
     x_addr, x_stride, x_code,
@@ -624,7 +626,7 @@ def _forward_rows(
             _store_scaled_row(y_addr, row * y_stride, x_code, buf, w_addr, rstd, n, cast_hf)
 
 
-@njit(cache=_CACHE)
+@njit(nogil=True, cache=_CACHE)
 def _forward_serial32(
     rows, n,
     x_addr, x_stride, x_code, res_addr, res_stride, res_code, w_addr, y_addr, y_stride,
@@ -638,7 +640,7 @@ def _forward_serial32(
     )
 
 
-@njit(cache=_CACHE)
+@njit(nogil=True, cache=_CACHE)
 def _forward_serial64(
     rows, n,
     x_addr, x_stride, x_code, res_addr, res_stride, res_code, w_addr, y_addr, y_stride,
@@ -666,7 +668,7 @@ def _stack_f32(typingctx, count):
     return types.CPointer(types.float32)(types.intp), codegen
 
 
-@njit(cache=_CACHE)
+@njit(nogil=True, cache=_CACHE)
 def _decode32(rows, n, code, x_addr, x_stride, res_addr, w_addr, y_addr, rout_addr, eps, cast_hf, round_first):
     # Rows of one dtype, all contiguous but x's: the serial kernel with a third of the arguments
     # (each one costs the call ~25 ns to unbox, about a tenth of a [1, 1536] norm). The scratch
@@ -684,7 +686,7 @@ def _decode32(rows, n, code, x_addr, x_stride, res_addr, w_addr, y_addr, rout_ad
     )
 
 
-@njit(cache=_CACHE, parallel=True)
+@njit(nogil=True, cache=_CACHE, parallel=True)
 def _forward_parallel(
     rows, n, scratch,
     x_addr, x_stride, x_code, res_addr, res_stride, res_code, w_addr, y_addr, y_stride,
@@ -720,7 +722,7 @@ def _dot(a, b, n, zero):
     return ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7))
 
 
-@njit(cache=_CACHE)  # not inlined, for the same reason as _forward_rows
+@njit(nogil=True, cache=_CACHE)  # not inlined, for the same reason as _forward_rows
 def _backward_block(
     r0, r1, n, buf, g, dw,
     dy_addr, dy_stride, x_addr, x_stride, x_code, res_addr, res_stride, res_code,
@@ -770,7 +772,7 @@ def _backward_block(
             _store_row(dres_addr, row * dres_stride, res_code, g, n)
 
 
-@njit(cache=_CACHE)
+@njit(nogil=True, cache=_CACHE)
 def _backward_share(
     t, nthreads, rows, n, block_rows, scratch, partials,
     dy_addr, dy_stride, x_addr, x_stride, x_code, res_addr, res_stride, res_code,
@@ -801,7 +803,7 @@ def _column_total(partials, j):
     return total
 
 
-@njit(cache=_CACHE)
+@njit(nogil=True, cache=_CACHE)
 def _dweight_columns(partials, dw_addr, j0, j1):
     """dweight[j0:j1] (at ``dw_addr``, the partials' dtype), each column summed over the blocks in
     block order: deterministic dweight. Written in place: the tensor's memory, not a copy."""
@@ -815,7 +817,7 @@ def _dweight_columns(partials, dw_addr, j0, j1):
             out32[j] = _column_total(partials, j)
 
 
-@njit(cache=_CACHE, parallel=True)
+@njit(nogil=True, cache=_CACHE, parallel=True)
 def _backward_kernel(
     rows, n, block_rows, scratch, partials, dw_addr,
     dy_addr, dy_stride, x_addr, x_stride, x_code, res_addr, res_stride, res_code,
@@ -834,7 +836,7 @@ def _backward_kernel(
         _dweight_columns(partials, dw_addr, n * t // nthreads, n * (t + 1) // nthreads)
 
 
-@njit(cache=_CACHE)
+@njit(nogil=True, cache=_CACHE)
 def _backward_serial(
     rows, n, block_rows, scratch, partials, dw_addr,
     dy_addr, dy_stride, x_addr, x_stride, x_code, res_addr, res_stride, res_code,
@@ -940,15 +942,24 @@ def _first_run(kernel, entries: dict, x64: bool, scratch_arg: int, *args) -> Non
     entries[x64] = _entry_point(kernel, scratch_arg, args[scratch_arg].dtype)
 
 
+def run_either(nthreads: int, serial, parallel, key, *args) -> None:
+    """``serial(*args)`` on this thread when ``nthreads == 1``, else ``parallel(*args)`` on the pool
+    (through :func:`_run`: compiled on first use)."""
+    if nthreads == 1:
+        _run(serial, key, *args)
+    else:
+        on_pool(_run, parallel, key, *args)
+
+
 def _run_parallel(x64: bool, nthreads: int, rows: int, n: int, *args) -> None:
     """``_forward_parallel`` on ``nthreads`` threads with this thread's scratch (args: the
     kernel's arguments after ``scratch``)."""
     scratch = _scratch(nthreads, n + ACC_SLOTS, np.float64 if x64 else np.float32)
     entry = _parallel_entry.get(x64)
     if entry is None:
-        _first_run(_forward_parallel, _parallel_entry, x64, 2, rows, n, scratch, *args)
+        on_pool(_first_run, _forward_parallel, _parallel_entry, x64, 2, rows, n, scratch, *args)
     else:
-        entry(rows, n, scratch, *args)
+        on_pool(entry, rows, n, scratch, *args)
 
 
 def _scratch(nthreads: int, width: int, dtype, slot: str = "scratch") -> np.ndarray:
@@ -974,13 +985,33 @@ def _start_threading() -> None:
     torch.set_num_threads(1) would silently become 2. Restore torch's setting once the pool runs
     (later numba launches leave it alone).
     """
-    global _threading_ready
+    global _threading_ready, _pool_lock
     with _compile_lock:
         if not _threading_ready:
             torch_threads = torch.get_num_threads()
             numba.get_num_threads()  # starts the threading layer
-            torch.set_num_threads(torch_threads)
+            # Only if it changed: torch.set_num_threads also sets the count threads started later
+            # inherit, and this thread's count may be older than a set_num_threads elsewhere.
+            if torch.get_num_threads() != torch_threads:
+                torch.set_num_threads(torch_threads)
+            if numba.threading_layer() == "workqueue":
+                _pool_lock = threading.Lock()
             _threading_ready = True
+
+
+# numba's workqueue layer (only where a user chose it: NUMBA_THREADING_LAYER) aborts the process
+# when two Python threads launch on its pool at once, as they can now that the kernels release
+# the GIL: there, parallel launches take turns on this lock. None on the threadsafe layers.
+_pool_lock = None
+
+
+def on_pool(launch, *args) -> None:
+    """``launch(*args)``, a launch on numba's thread pool, taking turns where the layer needs it."""
+    if _pool_lock is None:
+        launch(*args)
+    else:
+        with _pool_lock:
+            launch(*args)
 
 
 _fork_warned = False
@@ -1115,7 +1146,7 @@ def backward(dy, x, residual, weight, rstd, dresidual_out, round_first, dx, dres
         dx.data_ptr(), row_stride(dx), _addr(dresidual), _stride(dresidual), bool(round_first),
     )
     if nthreads > 1:
-        _run(_backward_kernel, np_cdtype, *args)
+        on_pool(_run, _backward_kernel, np_cdtype, *args)
         return
     entry = _backward_entry.get(x64)
     if entry is None:

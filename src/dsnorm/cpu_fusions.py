@@ -177,7 +177,7 @@ def _quant_row(buf, n, block, ue8m0, q_addr, q_off, s_addr, s_off):
 # Norm + fp8.
 
 
-@njit(cache=_CACHE)
+@njit(nogil=True, cache=_CACHE)
 def _fp8_rows(
     r0, r1, n, scratch, ytmp_addr,
     x_addr, x_stride, x_code, res_addr, res_stride, w_addr, y_addr, y_stride,
@@ -199,7 +199,7 @@ def _fp8_rows(
         _quant_row(buf, n, block, ue8m0, q_addr, row * n, s_addr, row * nblocks)
 
 
-@njit(cache=_CACHE)
+@njit(nogil=True, cache=_CACHE)
 def _fp8_serial(
     rows, n, scratch, ytmp_addr, ytmp_bytes,
     x_addr, x_stride, x_code, res_addr, res_stride, w_addr, y_addr, y_stride,
@@ -212,7 +212,7 @@ def _fp8_serial(
     )
 
 
-@njit(cache=_CACHE, parallel=True)
+@njit(nogil=True, cache=_CACHE, parallel=True)
 def _fp8_parallel(
     rows, n, scratch, ytmp_addr, ytmp_bytes,
     x_addr, x_stride, x_code, res_addr, res_stride, w_addr, y_addr, y_stride,
@@ -257,8 +257,8 @@ def rms_norm_fp8(x, residual, weight, eps, ue8m0, block, y, residual_out, q, sca
     scratch = _scratch(nthreads, n + ACC_SLOTS, np.float32)
     row_bytes = -(-n * x.element_size() // 64) * 64  # whole cache lines
     ytmp = _row_scratch(nthreads, row_bytes)
-    _run(
-        _fp8_serial if nthreads == 1 else _fp8_parallel, None,
+    cpu.run_either(
+        nthreads, _fp8_serial, _fp8_parallel, None,
         rows, n, scratch, ytmp.ctypes.data, ytmp.shape[1],
         x.data_ptr(), row_stride(x), DTYPE_CODES[x.dtype],
         0 if residual is None else residual.data_ptr(), 0 if residual is None else row_stride(residual),
@@ -272,7 +272,7 @@ def rms_norm_fp8(x, residual, weight, eps, ue8m0, block, y, residual_out, q, sca
 # Final norm at each row's last valid position.
 
 
-@njit(cache=_CACHE)
+@njit(nogil=True, cache=_CACHE)
 def _final_rows(
     b0, b1, n, scratch, len_addr, esize,
     h_addr, h_sb, h_st, code, r_addr, r_sb, r_st, w_addr, y_addr, ro_addr, eps,
@@ -289,7 +289,7 @@ def _final_rows(
         )
 
 
-@njit(cache=_CACHE)
+@njit(nogil=True, cache=_CACHE)
 def _final_serial(
     rows, n, scratch, len_addr, esize, h_addr, h_sb, h_st, code, r_addr, r_sb, r_st, w_addr, y_addr, ro_addr, eps,
 ):
@@ -297,7 +297,7 @@ def _final_serial(
                 y_addr, ro_addr, eps)
 
 
-@njit(cache=_CACHE, parallel=True)
+@njit(nogil=True, cache=_CACHE, parallel=True)
 def _final_parallel(
     rows, n, scratch, len_addr, esize, h_addr, h_sb, h_st, code, r_addr, r_sb, r_st, w_addr, y_addr, ro_addr, eps,
 ):
@@ -320,8 +320,8 @@ def final_norm_lengths(h, residual, weight, eps, lengths, y, residual_out) -> No
     numel = rows * n
     nthreads = 1 if numel < SERIAL_NUMEL else max(1, min(_threads(numel), rows))
     scratch = _scratch(nthreads, n + ACC_SLOTS, np.float64 if h.dtype == torch.float64 else np.float32)
-    _run(
-        _final_serial if nthreads == 1 else _final_parallel, h.dtype == torch.float64,
+    cpu.run_either(
+        nthreads, _final_serial, _final_parallel, h.dtype == torch.float64,
         rows, n, scratch, lengths.data_ptr(), h.element_size(),
         h.data_ptr(), h.stride(0), h.stride(1), DTYPE_CODES[h.dtype],
         residual.data_ptr(), residual.stride(0), residual.stride(1),
@@ -333,7 +333,7 @@ def final_norm_lengths(h, residual, weight, eps, lengths, y, residual_out) -> No
 # MLA latents: q_norm and kv_norm in one kernel.
 
 
-@njit(cache=_CACHE)
+@njit(nogil=True, cache=_CACHE)
 def _mla_rows(
     r0, r1, scratch, code, eps,
     nq, q_addr, q_stride, wq_addr, yq_addr,
@@ -345,7 +345,7 @@ def _mla_rows(
                       0, 0, code, 0, eps, False, False)
 
 
-@njit(cache=_CACHE)
+@njit(nogil=True, cache=_CACHE)
 def _mla_serial(
     rows, scratch, code, eps,
     nq, q_addr, q_stride, wq_addr, yq_addr, nkv, kv_addr, kv_stride, wkv_addr, ykv_addr,
@@ -354,7 +354,7 @@ def _mla_serial(
               nkv, kv_addr, kv_stride, wkv_addr, ykv_addr)
 
 
-@njit(cache=_CACHE, parallel=True)
+@njit(nogil=True, cache=_CACHE, parallel=True)
 def _mla_parallel(
     rows, scratch, code, eps,
     nq, q_addr, q_stride, wq_addr, yq_addr, nkv, kv_addr, kv_stride, wkv_addr, ykv_addr,
@@ -382,8 +382,8 @@ def mla_latent_norms(q_latent, kv_a, q_weight, kv_weight, eps, q_out, kv_out) ->
     nthreads = 1 if numel < SERIAL_NUMEL else max(1, min(_threads(numel), rows))
     x64 = q_latent.dtype == torch.float64
     scratch = _scratch(nthreads, max(nq, nkv) + ACC_SLOTS, np.float64 if x64 else np.float32)
-    _run(
-        _mla_serial if nthreads == 1 else _mla_parallel, x64,
+    cpu.run_either(
+        nthreads, _mla_serial, _mla_parallel, x64,
         rows, scratch, DTYPE_CODES[q_latent.dtype], float(eps),
         nq, q_latent.data_ptr(), row_stride(q_latent), q_weight.data_ptr(), q_out.data_ptr(),
         nkv, kv.data_ptr(), row_stride(kv), kv_weight.data_ptr(), kv_out.data_ptr(),
@@ -404,13 +404,13 @@ def ue8m0_scales(values: np.ndarray) -> np.ndarray:
     return out
 
 
-@njit(cache=_CACHE)
+@njit(nogil=True, cache=_CACHE)
 def _e4m3_array(values, out):
     for i in range(values.shape[0]):
         out[i] = _e4m3_bits(values[i])
 
 
-@njit(cache=_CACHE)
+@njit(nogil=True, cache=_CACHE)
 def _ue8m0_array(values, out):
     for i in range(values.shape[0]):
         out[i] = _ue8m0(values[i])

@@ -175,8 +175,12 @@ def _final_impl(h, residual, weight, eps, lengths):
         launcher.forward(ops.readable_rows(h[:, -1]), ops.readable_rows(residual[:, -1]), weight, eps, False, False,
                          y, residual_out, None)
     else:
+        # The kernel reads positions unchecked: it must read the values checked, so check (and
+        # launch from) a private copy. The caller's tensor may be rewritten meanwhile, by another
+        # thread or stream (a scheduler reusing its buffer), and .to(int64) of an int64 tensor is
+        # that tensor itself.
+        lengths = lengths.to(torch.int64, copy=True).contiguous()
         _check_lengths_values(lengths, seq)
-        lengths = lengths.to(torch.int64).contiguous()
         h = h if h.stride(-1) == 1 else h.contiguous()
         residual = residual if residual.stride(-1) == 1 else residual.contiguous()
         launcher.final_norm_lengths(h, residual, weight, eps, lengths, y, residual_out)
