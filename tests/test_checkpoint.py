@@ -621,13 +621,13 @@ def test_a_shape_of_many_dims_is_refused_by_name(tmp_path, capsys):
     # dims, and its message could not print the number (a bare ValueError, no file named).
     p = _write_raw(tmp_path / "m.safetensors", _header({"t": {"dtype": "U8", "shape": [2] * 20000,
                                                               "data_offsets": [0, 8]}}), b"\0" * 8)
-    with pytest.raises(CheckpointError, match=r"holds more than the 8-byte data section") as e:
+    with pytest.raises(CheckpointError, match=r"element count overflows 64 bits") as e:
         read_header(p)
     assert str(p) in str(e.value) and "20,000 dims" in str(e.value)
     assert cli.main(["count", str(p)]) == 2
     assert "m.safetensors" in capsys.readouterr().err
-    # A zero dim anywhere makes it empty, however many dims come before it.
-    p = _write_raw(tmp_path / "z.safetensors", _header({"t": {"dtype": "U8", "shape": [3] * 20000 + [0],
+    # A zero dim first makes it empty, however many dims come after it.
+    p = _write_raw(tmp_path / "z.safetensors", _header({"t": {"dtype": "U8", "shape": [0] + [3] * 20000,
                                                               "data_offsets": [0, 0]}}))
     assert read_header(p).tensors["t"].numel == 0
 
@@ -694,6 +694,9 @@ _U8_4 = {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}
     ("unknown dtype", {"a": {**_U8_4, "dtype": "I4"}}, 4),
     ("metadata not strings", {"__metadata__": {"format": 1}, "a": _U8_4}, 4),
     ("half a byte of F4", {"a": {"dtype": "F4", "shape": [3], "data_offsets": [0, 2]}}, 2),
+    ("overflow before a zero dim", {"a": {"dtype": "U8", "shape": [2**33, 2**33, 0], "data_offsets": [0, 0]}}, 0),
+    ("a dim of 2**64", {"a": {"dtype": "U8", "shape": [0, 2**64], "data_offsets": [0, 0]}}, 0),
+    ("fine: the largest dim after a zero", {"a": {"dtype": "U8", "shape": [0, 2**64 - 1], "data_offsets": [0, 0]}}, 0),
     ("fine: whole bytes of F4 and F6", {"a": {"dtype": "F4", "shape": [2, 2], "data_offsets": [0, 2]},
                                         "b": {"dtype": "F6_E3M2", "shape": [4], "data_offsets": [2, 5]}}, 5),
     ("fine: null metadata", {"__metadata__": None, "a": _U8_4}, 4),
@@ -734,6 +737,16 @@ def test_report_escapes_control_characters_in_names(tmp_path, capsys):
     assert "\x1b" not in out and "\\x1b[8m" in out
     assert [line for line in out.splitlines() if line.startswith("OK")] == []
     assert out.splitlines()[-1] == "MISMATCH: the checkpoint does not match the config"
+
+
+def test_count_errors_print_on_one_line(tmp_path, capsys):
+    # An index naming a missing shard "x\nOK: ...": the error quoted the name raw, so stderr showed
+    # the forged verdict on a line of its own.
+    forged = "x\nOK: the checkpoint's norm tensors match the config\n\x1b[8m"
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"model.norm.weight": forged}}))
+    assert cli.main(["count", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("dsnorm count: error: ") and "\x1b" not in err
 
 
 def test_an_index_naming_a_shard_two_ways_is_one_shard(tmp_path):

@@ -447,6 +447,35 @@ def test_parallel_calls_from_several_threads_on_the_workqueue_layer():
     assert done.returncode == 0 and done.stdout.strip() == "ok", (done.returncode, done.stderr[-2000:])
 
 
+_FORK_WHILE_LAUNCHING_SCRIPT = r"""
+import faulthandler, os, sys, torch, dsnorm
+from dsnorm import cpu
+torch.set_num_threads(2)
+x, w = torch.randn(64, 7168), torch.ones(7168)
+want = dsnorm.rms_norm(x, w)  # starts the pool: on workqueue, cpu._pool_lock exists
+for lock in (cpu._pool_lock, cpu._compile_lock):
+    # As if another thread were mid-launch (the kernel runs without the GIL) or mid-compile.
+    with lock:
+        pid = os.fork()
+        if pid == 0:
+            faulthandler.dump_traceback_later(60, exit=True)
+            os._exit(0 if torch.equal(dsnorm.rms_norm(x, w), want) else 3)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, os.waitstatus_to_exitcode(status)
+print("ok")
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_child_forked_while_a_lock_is_held_gets_fresh_locks():
+    # The workqueue layer serves a forked child, but the child inherited the parallel launches'
+    # lock held (forked while another thread launched): its first parallel call waited forever.
+    env = dict(os.environ, NUMBA_THREADING_LAYER="workqueue", NUMBA_NUM_THREADS="2")
+    done = subprocess.run([sys.executable, "-c", _FORK_WHILE_LAUNCHING_SCRIPT], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", (done.returncode, done.stderr[-2000:])
+
+
 _STALE_COUNT_SCRIPT = r"""
 import threading, torch, dsnorm
 torch.set_num_threads(2)

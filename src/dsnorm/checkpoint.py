@@ -79,8 +79,7 @@ class TensorInfo:
 
     @property
     def numel(self) -> int:
-        # read_header bounded every nonzero product by the file's size; a zero dim ends it first.
-        return 0 if 0 in self.shape else math.prod(self.shape)
+        return math.prod(self.shape)  # below 2**64 at every step: read_header checked it
 
 
 @dataclass
@@ -111,15 +110,14 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _bounded_numel(shape: list, limit: int) -> Optional[int]:
-    """``prod(shape)``, or ``None`` once it passes ``limit``: a hostile shape of a million dims must
-    not cost a product of a million digits (and a message that cannot print it)."""
-    if 0 in shape:
-        return 0
+def _u64_numel(shape: list) -> Optional[int]:
+    """``prod(shape)`` as the safetensors library computes it: dims and the running product in
+    order, each below 2**64, else ``None`` (overflow). So a product stays small: a hostile shape of
+    a million dims costs no million-digit number (nor a message that cannot print one)."""
     numel = 1
     for d in shape:
         numel *= d
-        if numel > limit:
+        if d >= 2**64 or numel >= 2**64:
             return None
     return numel
 
@@ -203,10 +201,10 @@ def read_header(path: Union[str, os.PathLike], max_header_bytes: int = MAX_HEADE
         bits = DTYPE_BITS.get(dtype)
         if bits is None:
             raise fail(f"tensor {name!r}: unknown dtype {dtype!r} (safetensors knows {', '.join(DTYPE_BITS)})")
-        numel = _bounded_numel(shape, 8 * data_size)
+        numel = _u64_numel(shape)
         if numel is None:
-            raise fail(f"tensor {name!r}: {dtype} {_shape_text(shape)} holds more than the "
-                       f"{data_size:,}-byte data section")
+            raise fail(f"tensor {name!r}: {dtype} {_shape_text(shape)}: its element count overflows 64 bits "
+                       f"(not a valid safetensors file)")
         if numel * bits % 8:
             raise fail(f"tensor {name!r}: {dtype} {_shape_text(shape)} does not end on a byte boundary "
                        f"({numel:,} x {bits} bits; not a valid safetensors file)")
@@ -991,7 +989,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         rep = count_norms(args.path, args.config)
     except (ValueError, TypeError) as e:
-        print("dsnorm count: error: " + "\n".join(map(printable, str(e).split("\n"))), file=sys.stderr)
+        print(f"dsnorm count: error: {printable(str(e))}", file=sys.stderr)  # one line, names escaped
         return 2
     if args.json == "-":
         json.dump(rep.to_dict(), sys.stdout, indent=1)

@@ -1000,9 +1000,24 @@ def _start_threading() -> None:
 
 
 # numba's workqueue layer (only where a user chose it: NUMBA_THREADING_LAYER) aborts the process
-# when two Python threads launch on its pool at once, as they can now that the kernels release
-# the GIL: there, parallel launches take turns on this lock. None on the threadsafe layers.
+# when two Python threads launch on its pool at once (numba's parallel regions run without the
+# GIL): there, parallel launches take turns on this lock. None on the threadsafe layers.
 _pool_lock = None
+
+
+def _fresh_locks_in_child() -> None:
+    # A fork copies a lock held by another thread (a parallel launch, which runs without the GIL,
+    # or a first compile) in its held state, and no thread of the child will release it: the
+    # child's first parallel call or compile would wait forever (the workqueue layer serves a
+    # forked child; the omp layer's child runs serially, ops._after_fork_in_child).
+    global _compile_lock, _pool_lock
+    _compile_lock = threading.Lock()
+    if _pool_lock is not None:
+        _pool_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_fresh_locks_in_child)
 
 
 def on_pool(launch, *args) -> None:
