@@ -17,7 +17,10 @@ the reciprocal with ``rcp.rn`` instead of ``div.rn``: IEEE-rounded both, so its 
 about 4e-23 and 2e19, or is inf, for every accepted eps). ``pair widen`` widens bf16 inputs two
 values at a time from their 32-bit word, one integer instruction a value (ptxas spends three a pair
 on ``cvt.f32.bf16``; 20 fewer SASS instructions in the fused ``[*, 7168]`` kernel, 18 in the plain
-one); exact, so again dsnorm's bits. ``pair+rcp_rn`` is both. ``split 2`` / ``split 4`` spread each
+one); exact, so again dsnorm's bits. ``pair+rcp_rn`` is both. ``fma sumsq`` is dsnorm's kernel
+compiled with Triton's default fp fusion (an fma in the sum of squares, as before
+``launch.FWD_OPTIONS`` turned it off so that every square is rounded as in the reference): what
+that exactness costs, reported in ulps. ``split 2`` / ``split 4`` spread each
 row over 2 / 4 programs that each load and sum the whole row (dsnorm's bits) but load the weight for,
 and store, a quarter or half of it: a decode row's bytes pass through one SM, and across the widths
 the kernel's time grows with them at about 65-80 bytes a ns (kv_norm to the final norm and the
@@ -58,7 +61,10 @@ SHAPES = [
 
 
 # The variants whose outputs may differ from dsnorm's; every other one must give its bits.
-NOT_BITWISE = ("approx rstd", "liger")
+NOT_BITWISE = ("approx rstd", "fma sumsq", "liger")
+# Launch options a variant sets over the library's meta: "fma sumsq" is dsnorm's kernel as it was
+# compiled before launch.FWD_OPTIONS (Triton's default fp fusion, an fma in the sum of squares).
+OPTIONS = {"fma sumsq": {"enable_fp_fusion": True}}
 
 # The forward kernel and the jit helpers it reaches, callees before callers: a variant re-makes all
 # of them over one patched copy of the module's globals, so that a replaced helper is seen at any depth.
@@ -158,7 +164,7 @@ def make_variants(kernels) -> dict:
             "rcp_rn rstd": (_rejit(kernels, {"_rstd": rcp_rstd}), 1),
             "pair widen": (_rejit(kernels, {"_widen": pair_widen}), 1),
             "pair+rcp_rn": (_rejit(kernels, {"_widen": pair_widen, "_rstd": rcp_rstd}), 1),
-            "split 2": (split, 2), "split 4": (split, 4)}
+            "split 2": (split, 2), "split 4": (split, 4), "fma sumsq": (kernels.rms_norm_fwd_kernel, 1)}
 
 
 def launch_variant(kernel, split: int, grid, args, meta):
@@ -213,6 +219,7 @@ def main(argv=None) -> int:
             y = torch.empty(m, n, dtype=x.dtype, device="cuda")
             ro = torch.empty_like(y) if fused else None
             grid, kargs, meta = launch.forward_params(x, r, w, EPS, False, False, y, ro, None)
+            meta = {**meta, **OPTIONS.get(name, {})}
             calls[name] = (lambda k=kernel, sp=split, gr=grid, a=kargs, mt=meta: launch_variant(k, sp, gr, a, mt))
             calls[name]()
             outs[name] = (y, ro)

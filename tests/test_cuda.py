@@ -175,6 +175,21 @@ def test_extremes():
     assert bool(y[1].isnan().all()) and bool((y[2] == 0).all())
 
 
+def test_subnormal_squares_with_an_eps_below_the_normals():
+    # With |x| ~ 1e-22 the squares are fp32 subnormals, and with eps = 1e-45 (accepted) their own
+    # roundings make the mean: the fma Triton contracts by default into the sum of squares (one
+    # square of a pair unrounded) moved y by up to 9 ulps in an emulation of the sm_90 code. The
+    # forward launches turn that off (launch.FWD_OPTIONS): every square is rounded as on the CPU.
+    n, rows = 64, 4000
+    gen = torch.Generator().manual_seed(1)
+    k = torch.empty(rows, n, dtype=torch.float64).uniform_(0.5, 1.5, generator=gen) * 16
+    x = (k.sqrt() * 2.0**-74.5 * torch.randn(rows, n, generator=gen, dtype=torch.float64).sign()).bfloat16()
+    w = torch.ones(n)
+    with torch.no_grad():
+        y = dsnorm.rms_norm(x.cuda(), w.cuda(), 1e-45)
+    assert max_ulp(y, rms_norm_ref(x, w, 1e-45)) <= 1
+
+
 def test_empty_input():
     w = torch.ones(7168, device="cuda")
     x = torch.empty(0, 1, 7168, dtype=torch.bfloat16, device="cuda")

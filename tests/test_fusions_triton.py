@@ -370,6 +370,7 @@ COMPILE_SCRIPT = textwrap.dedent(
         ptx = k.asm["ptx"]
         assert "div.rn.f32" in ptx and "sqrt.rn.f32" in ptx, kernel.fn.__name__
         assert "div.full.f32" not in ptx and "div.approx" not in ptx and "sqrt.approx" not in ptx
+        assert "fma.rn.f32" not in ptx, kernel.fn.__name__  # every square rounded, as the reference's
         print("ok", kernel.fn.__name__, meta, file=sys.stderr)
 
     for r, n, dtype, res, ue, store_y, max_block in [(4, 7168, torch.bfloat16, True, True, False, None),

@@ -43,6 +43,9 @@ SCRIPT = textwrap.dedent(
         assert ("cvt.rn.bf16x2.f32" in ptx or "cvt.rn.bf16.f32" in ptx) == bf16, what
         assert "div.full.f32" not in ptx and "div.approx" not in ptx and "sqrt.approx" not in ptx, what
         assert not re.search(r"\b(atom|red)\.", ptx), what  # no atomics anywhere: dweight is deterministic
+        # The forward rounds every square as the reference does: no multiply-add contracted into an
+        # fma (launch.FWD_OPTIONS); the backward may contract (its criterion is a tolerance).
+        assert not (forward and re.search(r"\bfma\.rn\.f(32|64)", ptx)), what
         if fp == "f64":  # the mean divides by n widened to fp64 (fp32 is inexact above 2**24 columns)
             assert "cvt.rn.f64.s32" in ptx and "cvt.rn.f32.s32" not in ptx, what
         print("ok", what, file=sys.stderr)
@@ -154,8 +157,10 @@ DECODE_VARIANTS_SCRIPT = textwrap.dedent(
         ro = rows(m, n, torch.bfloat16) if fused else None
         _, args, meta = launch.forward_params(x, r, torch.ones(n), gpu_decode.EPS, False, False, y, ro, None)
         for name, (kernel, split) in variants.items():
-            ptx = compile_launch(kernel, args, dict(meta, SPLIT=split) if split > 1 else meta).asm["ptx"]
+            meta_v = dict(meta, **gpu_decode.OPTIONS.get(name, {}))
+            ptx = compile_launch(kernel, args, dict(meta_v, SPLIT=split) if split > 1 else meta_v).asm["ptx"]
             what = (label, name)
+            assert ("fma.rn.f32" in ptx) == (name == "fma sumsq"), what
             pair = name.startswith("pair")
             # Each variant replaces what its name says and nothing else.
             assert ("cvt.f32.bf16" not in ptx and "0xffff0000" in ptx) == pair, what

@@ -35,12 +35,15 @@ def compile_launch(kernel, args, meta):
             # As Triton's runtime types it: the parameter's annotation (an unquoted "fp64" string;
             # under `from __future__ import annotations` Triton sees "'fp64'" and ignores it), else fp32.
             sig[name] = kernel.params[i].annotation_type or "fp32"
+    from dsnorm.triton.launch import OPTION_NAMES
+
     for name, v in meta.items():
-        if name != "num_warps":
+        if name not in OPTION_NAMES:
             sig[name] = "constexpr"
             consts[name] = v
     src = ASTSource(kernel, sig, consts, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": meta["num_warps"]})
+    options = {name: meta[name] for name in OPTION_NAMES if name in meta}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def rows(r, n, dtype, stride=None):

@@ -172,7 +172,7 @@ def rms_norm_fp8_params(x, residual, weight, eps, ue8m0, qblock, y, residual_out
         0 if residual_out is None else residual_out.stride(0), rows, n, float(eps),
     )
     meta = dict(BLOCK_N=block, SINGLE_BLOCK=single, QBLOCK=qblock, HAS_RESIDUAL=residual is not None,
-                STORE_Y=y is not None, UE8M0=bool(ue8m0), num_warps=warps)
+                STORE_Y=y is not None, UE8M0=bool(ue8m0), num_warps=warps, **launch.FWD_OPTIONS)
     return (rows,), args, meta
 
 
@@ -252,7 +252,8 @@ def final_norm_params(h, residual, weight, eps, lengths, y, residual_out):
     block, warps, single = launch.config(n, h.dtype)
     args = (h, residual, lengths, weight, y, residual_out, h.stride(0), h.stride(1), residual.stride(0),
             residual.stride(1), n, float(eps))
-    meta = dict(BLOCK_N=block, SINGLE_BLOCK=single, CD=launch._compute_dtype(h.dtype), num_warps=warps)
+    meta = dict(BLOCK_N=block, SINGLE_BLOCK=single, CD=launch._compute_dtype(h.dtype), num_warps=warps,
+                **launch.FWD_OPTIONS)
     return (batch,), args, meta
 
 
@@ -298,7 +299,7 @@ def mla_params(q_latent, kv, q_weight, kv_weight, eps, q_out, kv_out):
     args = (q_latent, kv, q_weight, kv_weight, q_out, kv_out, q_latent.stride(0), kv.stride(0), rows, nq, nkv,
             float(eps))
     meta = dict(BLOCK_Q=bq, SINGLE_Q=sq, BLOCK_KV=bkv, SINGLE_KV=skv, CD=launch._compute_dtype(q_latent.dtype),
-                num_warps=max(wq, wkv))
+                num_warps=max(wq, wkv), **launch.FWD_OPTIONS)
     return (2 * rows,), args, meta
 
 

@@ -10,7 +10,9 @@ Why the kernels look the way they do:
   ``rstd = 1 / sqrt(sum(s*s) / n + eps)`` with IEEE-rounded division and square root
   (``div_rn`` / ``sqrt_rn``: Triton's plain ``/`` and ``sqrt`` are approximate for fp32 on
   NVIDIA), ``xhat = s * rstd``, then ``weight * xhat`` and one rounding to the output dtype. The
-  only freedom taken is the order of the sum of squares (a tree instead of torch's cascade).
+  only freedom taken is the order of the sum of squares (a tree instead of torch's cascade): the
+  forward launches turn off Triton's fp fusion (``launch.FWD_OPTIONS``), which would keep one
+  square of each pair unrounded inside an fma.
 * Conversions between bf16 and fp32: compiled for a GPU, the hardware's own (``cvt.rn.bf16x2.f32``
   rounds to nearest even; widening is exact), one instruction per two elements. Under Triton's
   interpreter (``TRITON_INTERPRET=1``, which the CPU tests use) integer bit arithmetic instead:

@@ -273,6 +273,18 @@ def _remember(key, plan):
     return plan
 
 
+# Options (not constexprs) of every launch a norm's forward makes, its fusions' included. Triton
+# contracts a multiply and an add into one fma by default; in the sum of squares that keeps one
+# square of each pair unrounded where the reference rounds every square (a tree's first level
+# s0*s0 + s1*s1 becomes fma(s0, s0, s1*s1)). In normal ranges that is one more summation-order
+# freedom; with subnormal squares (|x| ~ 1e-22) and eps below FLT_MIN, where the squares' own
+# roundings dominate the mean, it moved y by several ulps (sm_90 PTX, emulated: 9 ulps). Off, the
+# forward kernels' float arithmetic is the reference's operation for operation.
+FWD_OPTIONS = {"enable_fp_fusion": False}
+# Launch options in meta beside the constexprs (the ahead-of-time compile test tells them apart).
+OPTION_NAMES = ("num_warps", "enable_fp_fusion")
+
+
 def _forward_plan(rows, n, dtype, has_residual, has_residual_out, round_first, cast_hf, store_rstd):
     key = ("fwd", rows, n, dtype, has_residual, has_residual_out, round_first, cast_hf, store_rstd, _settings())
     plan = _plans.get(key)
@@ -291,6 +303,7 @@ def _forward_plan(rows, n, dtype, has_residual, has_residual_out, round_first, c
         STORE_RSTD=store_rstd,
         CD=_compute_dtype(dtype),
         num_warps=warps,
+        **FWD_OPTIONS,
     )
     grid = (-(-rows // rows_per_prog),)
     return _remember(key, (grid, meta, _Launches(grid)))
