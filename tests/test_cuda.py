@@ -175,6 +175,26 @@ def test_extremes():
     assert bool(y[1].isnan().all()) and bool((y[2] == 0).all())
 
 
+def test_row_loop_past_the_program_cap_is_batch_invariant():
+    # Past launch.FWD_MAX_PROGRAMS rows a program loops over several rows (ROWS_PER_PROG > 1): only
+    # the interpreter had run that loop. Each row's bits must be those of a one-row launch.
+    from dsnorm.triton import launch
+
+    n, rows = 512, launch.FWD_MAX_PROGRAMS + 1
+    gen = torch.Generator().manual_seed(9)
+    x, r = rows_of(rows, n, torch.bfloat16, gen), rows_of(rows, n, torch.bfloat16, gen)
+    w = weight_of(n, gen)
+    with torch.no_grad():
+        y, ro = dsnorm.fused_add_rms_norm(x, r, w, EPS)
+        for i in (0, 1, rows // 2, rows - 2, rows - 1):
+            yi, roi = dsnorm.fused_add_rms_norm(x[i:i + 1], r[i:i + 1], w, EPS)
+            assert_bitwise(y[i:i + 1], yi)
+            assert_bitwise(ro[i:i + 1], roi)
+    y_ref, ro_ref = fused_add_rms_norm_ref(x.cpu(), r.cpu(), w.cpu(), EPS)
+    assert_bitwise(ro, ro_ref)
+    assert max_ulp(y, y_ref) <= 1
+
+
 def test_subnormal_squares_with_an_eps_below_the_normals():
     # With |x| ~ 1e-22 the squares are fp32 subnormals, and with eps = 1e-45 (accepted) their own
     # roundings make the mean: the fma Triton contracts by default into the sum of squares (one

@@ -24,7 +24,9 @@ Launch heuristics (no autotuning: the first call must not sweep configs):
   small resident programs hide latency better than a loop that serialises rows), more only past
   ``FWD_MAX_PROGRAMS`` rows. Backward: a row block per program so that the dweight partials stay
   small, sized from the row count, ``n``, the dtype and the kind (plain or fused) only (never the
-  GPU's SM count), so dweight has the same bits on any GPU: about ``BWD_PROGRAM_THREADS /
+  GPU's SM count), so the partials are the same on any GPU (their final ``torch.sum`` is
+  deterministic run to run; torch may size its reduction from the device, so across GPU models
+  dweight's bits are not promised, and were never compared): about ``BWD_PROGRAM_THREADS /
   threads-per-program`` programs (``BWD_PROGRAM_THREADS_WIDE`` for 16-bit rows whose block is at
   least ``BWD_WIDE_BLOCK`` columns).
 * The launch parameters that depend on the shape, dtypes and flags only are computed once per such
