@@ -739,11 +739,11 @@ def _read_bytes(info: TensorInfo) -> bytes:
     return raw
 
 
-def _read_tensor(info: TensorInfo, raw: Optional[bytes] = None):
+def _as_tensor(info: TensorInfo, raw: bytes):
+    """The tensor ``raw`` (its bytes, :func:`_read_bytes`) holds, in its stored dtype and shape."""
     import torch
 
     dtypes = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
-    raw = _read_bytes(info) if raw is None else raw
     t = torch.frombuffer(bytearray(raw), dtype=dtypes[info.dtype]) if raw else torch.empty(0, dtype=dtypes[info.dtype])
     if sys.byteorder != "little":
         t = t.view(torch.uint8).view(-1, t.element_size()).flip(-1).reshape(-1).view(dtypes[info.dtype])
@@ -763,14 +763,15 @@ def _copies_disagree(chosen: TensorInfo, raw: bytes, infos: list, files: Checkpo
     listed = files.weight_map.get(chosen.name) if files.weight_map else None
     if len(infos) == 1 or (listed is not None and realpath(listed) == realpath(chosen.file)):
         return None
-    differ = [i for i in infos if i is not chosen and ((i.dtype, i.shape) != (chosen.dtype, chosen.shape)
-                                                        or _read_bytes(i) != raw)]
+    def same_kind(i):
+        return (i.dtype, i.shape) == (chosen.dtype, chosen.shape)
+
+    differ = [i for i in infos if i is not chosen and not (same_kind(i) and _read_bytes(i) == raw)]
     if not differ:
         return None
     return (f"{chosen.name} is stored in {len(infos)} files that disagree: "
             + "; ".join(f"{os.path.basename(i.file)}: {i.dtype} {list(i.shape)}" for i in [chosen, *differ])
-            + (" (same dtype and shape, different values)" if all((i.dtype, i.shape) == (chosen.dtype, chosen.shape)
-                                                                  for i in differ) else "")
+            + (" (same dtype and shape, different values)" if all(map(same_kind, differ)) else "")
             + "; remove the stale copy or fix the shards")
 
 
@@ -921,9 +922,7 @@ def load_norms(model, path: Union[str, os.PathLike]) -> LoadReport:
         problem = _copies_disagree(info, raw, copies[info.name], files, realpath)
         if problem:
             problems.append(f"{mname}: {problem}")
-            values.append(None)
-            continue
-        v = _read_tensor(info, raw)
+        v = _as_tensor(info, raw)
         p = mod.weight
         cast = v.to(dtype=p.dtype, device=p.device)
         # The parameter must hold the stored value exactly: an F64 gain, or a parameter cast down
@@ -939,8 +938,7 @@ def load_norms(model, path: Union[str, os.PathLike]) -> LoadReport:
                 problems.append(f"{mname}: {info.name} ({info.dtype}) is not exactly representable in the "
                                 f"patched norm's {gain} gain (the dtype HF's parameter would have)")
         values.append(cast)
-    read = [i for i, v in enumerate(values) if v is not None]
-    problems += _tied_conflicts([plan[i] for i in read], [values[i] for i in read])
+    problems += _tied_conflicts(plan, values)
     if problems:
         raise ValueError(f"load_norms({files.path}): nothing loaded; {len(problems)} problem(s):\n  " + "\n  ".join(problems))
     _copy_all(plan, values)
