@@ -4,6 +4,7 @@ No test here asserts a speed: only structure, verification and exit status.
 """
 
 import contextlib
+import dataclasses
 import io
 import json
 import subprocess
@@ -15,7 +16,7 @@ import torch
 
 from conftest import max_ulp
 import dsnorm
-from dsnorm import bench
+from dsnorm import bench, fusions
 from dsnorm.cli import main
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -57,9 +58,18 @@ def test_json_keys_and_types(quick):
         assert key in m and (m[key] is None or isinstance(m[key], str))
     assert isinstance(d["copy_gbps"], float) and d["copy_gbps"] > 0
     assert isinstance(d["cases"], list) and d["cases"]
+    # What the numbers came from: the repetition settings, the input seed, the run's filters, and
+    # the thread pool dsnorm's kernels ran on.
+    assert d["settings"] == dataclasses.asdict(bench.QUICK) and d["input_seed"] == bench.INPUT_SEED
+    assert d["filters"] == {"cases": None, "providers": None}
+    import numba
+    assert m["numba_threads"] == numba.config.NUMBA_NUM_THREADS
+    assert m["numba_threading_layer"] == numba.threading_layer()
     for case in d["cases"]:
         for key in bench.JSON_CASE_KEYS:
             assert key in case
+        assert set(case["dsnorm_speedup_noisy"]) == set(case["dsnorm_speedup"])
+        assert all(isinstance(v, bool) for v in case["dsnorm_speedup_noisy"].values())
         assert isinstance(case["name"], str)
         assert isinstance(case["shape"], list) and all(isinstance(n, int) for n in case["shape"])
         assert case["form"] in ("plain", "fused", "in-place")
@@ -74,7 +84,11 @@ def test_json_keys_and_types(quick):
                 assert isinstance(p["reason"], str) and p["reason"]
                 assert p["median_ms"] is None
                 continue
-            for key in ("median_ms", "gbps", "pct_copy", "speedup_vs_reference"):
+            # Timed rows carry their byte model: GB/s can be recomputed from the file.
+            assert isinstance(p["bytes"], int) and p["gbps"] == pytest.approx(p["bytes"] / p["median_ms"] / 1e6)
+            # A fusion is timed against its composition, not against the (untimed) reference.
+            keys = ("median_ms", "gbps", "pct_copy") + (() if case["site"] == "fusion" else ("speedup_vs_reference",))
+            for key in keys:
                 assert isinstance(p[key], float) and p[key] > 0, (case["name"], p["name"], key, p[key])
             if p["role"] == "floor":
                 assert p["max_ulp"] is None
@@ -108,6 +122,8 @@ def test_cases_cover_every_site_and_form(quick):
 
 def test_verification_rows_present_and_dsnorm_passes(quick):
     for case in quick["json"]["cases"]:
+        if case["site"] == "fusion":  # test_fusion_rows_verified_bitwise
+            continue
         rows = {p["name"]: p for p in case["providers"]}
         ref, ds = rows[bench.REFERENCE], rows[bench.DSNORM]
         # The reference verified against itself: the comparison machinery sees identity as exact.
@@ -491,8 +507,36 @@ def test_fusion_rows_verified_bitwise(quick):
     for kind in ("rms_norm_fp8", "fused_add_rms_norm_fp8", "final_norm", "mla_latent_norms"):
         assert kind in names
     for case in fusions:
-        ds = next(p for p in case["providers"] if p["role"] == "dsnorm")
+        ds, base = (next(p for p in case["providers"] if p["role"] == role) for role in ("dsnorm", "baseline"))
         assert ds["outputs_bitwise"] is True and ds["fidelity_ok"] is True and ds["max_ulp"] == 0
+        # The composition it is timed against is verified against the reference as well, and is
+        # named for what it is.
+        assert base["name"] == bench.COMPOSITION and base["outputs_bitwise"] is True and base["fidelity_ok"] is None
+        assert set(case["dsnorm_speedup"]) == {bench.COMPOSITION}
+
+
+def _flip_first_bit(outputs):
+    first = outputs[0]
+    bits = first.view(torch.uint8 if first.element_size() == 1 else torch.int16).clone()
+    bits.view(-1)[0] ^= 1
+    return (bits.view(first.dtype), *outputs[1:])
+
+
+# Kills: the fusion rows verified against the composition (dsnorm's own unfused calls) only: a
+# fusion and a composition that agree on a wrong answer passed.
+@pytest.mark.parametrize("wrong", ["both", "fused"])
+def test_fusion_rows_are_verified_against_the_reference(wrong):
+    (fc,) = [dict(c) for c in fusions.bench_cases(quick=True) if c["name"] == "mla_latent_norms B=1"]
+    good_fused = fc["fused"]
+    fc["fused"] = lambda: _flip_first_bit(good_fused())
+    if wrong == "both":
+        good_baseline = fc["baseline"]
+        fc["baseline"] = lambda: _flip_first_bit(good_baseline())
+    ctx = bench._Context(torch.device("cpu"), True, None)
+    out = bench.run_fusion_case(fc, ctx, bench.QUICK, bench.Progress(1, enabled=False))
+    base, ds = out["providers"]
+    assert ds["fidelity_ok"] is False and ds["max_ulp"] == 1
+    assert base["outputs_bitwise"] is (wrong == "fused")
 
 
 # Kills: bench._outputs_equal's residual_bitwise hard-wired to True: on a GPU a fused fusion with
@@ -504,3 +548,110 @@ def test_fusion_verdict_checks_the_residual_on_gpu():
     eq = bench._outputs_equal((y, r_bad), (y, r), "fused", normed=(0,))
     assert eq["residual_bitwise"] is False
     assert not bench.fusion_fidelity_ok(eq, "cuda") and not bench.fusion_fidelity_ok(eq, "cpu")
+
+
+# Kills: the call count planned from the last warm-up call: one stalled warm-up call (another
+# process took the core) cut a fast provider to the minimum, and its "median" was of 2 calls.
+def test_measure_plans_from_the_fastest_warm_up_call():
+    calls = []
+
+    def fn():
+        calls.append(1)
+        time.sleep(0.1 if len(calls) == 2 else 0.001)
+
+    r = bench.Runner("stalled once", "peer", fn, lambda: ())
+    s = bench.Settings(budget_s=0.1, min_reps=2, max_reps=1000, warmup=2, rounds=2, copy_mb=1, copy_reps=1)
+    _, n, _ = bench.measure([r], s, torch.device("cpu"))["stalled once"]
+    assert n >= 20
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t, factor):
+        ctx.factor = factor
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.factor, None
+
+
+# Kills: --backward's verdict on y and the residual only: a dsnorm whose gradient of x (or of the
+# residual) was wrong passed, its error printed but not judged.
+@pytest.mark.parametrize("wrong, case_name", [("x", "train q_norm"), ("residual", "train norm+res")])
+def test_a_wrong_gradient_fails_the_run(monkeypatch, tmp_path, wrong, case_name):
+    class WrongGradient(dsnorm.RMSNorm):
+        def forward(self, x, residual=None):
+            if residual is None:
+                return super().forward(_ScaleGrad.apply(x, -3.0))
+            if wrong == "x":
+                x = _ScaleGrad.apply(x, -3.0)
+            else:
+                residual = _ScaleGrad.apply(residual, -3.0)
+            return super().forward(x, residual)
+
+    monkeypatch.setattr(dsnorm, "RMSNorm", WrongGradient)
+    path = tmp_path / "grad.json"
+    rc, out, _ = run_cli(["bench", "--quick", "--backward", "--cases", case_name, "--providers", "none",
+                          "--json", str(path)])
+    assert rc == 1 and "FAIL" in out
+    (case,) = json.loads(path.read_text())["cases"]
+    rows = {p["name"]: p for p in case["providers"]}
+    ds, ref = rows[bench.DSNORM], rows[bench.REFERENCE]
+    assert ds["fidelity_ok"] is False and ds["max_ulp"] == 0  # y itself is right
+    name = "dx" if wrong == "x" else "dresidual"
+    assert ds["grad_max_rel_err"][name] > 1 and ref["grad_max_rel_err"][name] < 2 ** -7
+    assert ds["grad_max_rel_err"]["dweight"] < 2 ** -14
+
+
+def test_gradient_criterion():
+    good = {"max_ulp": 0, "pct_bitwise": 100.0, "residual_bitwise": None}
+    assert bench.meets_fidelity(dict(good, grad_max_rel_err={"dx": 3e-3, "dweight": 1e-7}), "cpu", 1536)
+    for bad in ({"dx": 0.01, "dweight": 1e-7}, {"dx": 3e-3, "dweight": 1e-4}, {"dx": float("nan"), "dweight": 0.0},
+                {"dx": 3e-3, "dweight": 1e-7, "dresidual": 0.02}):
+        assert not bench.meets_fidelity(dict(good, grad_max_rel_err=bad), "cpu", 1536), bad
+
+
+# Kills: NUMBA_NUM_THREADS checked against --threads only: with the variable below torch's thread
+# count and no --threads, dsnorm ran on fewer threads than its peers while the table said otherwise.
+def test_numba_pool_smaller_than_torch_threads_exits_2(monkeypatch):
+    import numba
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        monkeypatch.setattr(numba.config, "NUMBA_NUM_THREADS", 1)
+        rc, _, err = run_cli(["bench", "--quick", "--cases", "q_norm decode B=1"])
+    finally:
+        torch.set_num_threads(threads)
+    assert rc == 2 and "NUMBA_NUM_THREADS=1" in err and "--threads 1" in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--cases", ""], "names no case"),
+    (["--cases", " , "], "names no case"),
+    (["--cases", "train"], "add --backward"),
+])
+def test_case_filters_that_select_nothing_exit_2(argv, message):
+    rc, _, err = run_cli(["bench", "--quick"] + argv)
+    assert rc == 2 and message in err
+
+
+def test_a_cuda_only_peer_asked_for_on_cpu_gets_a_row_saying_so(tmp_path):
+    path = tmp_path / "liger.json"
+    rc, _, _ = run_cli(["bench", "--quick", "--cases", "q_norm decode B=1", "--providers", "liger",
+                        "--json", str(path)])
+    assert rc == 0
+    (case,) = json.loads(path.read_text())["cases"]
+    row = next(p for p in case["providers"] if p["name"] == "liger")
+    assert row["available"] is False and "CUDA only" in row["reason"]
+
+
+def test_noisy_ratios_are_marked_in_the_summary(quick):
+    result = json.loads(json.dumps(quick["json"]))
+    case = next(c for c in result["cases"] if c["site"] != "fusion")
+    assert "(noisy)" not in bench.format_table(dict(result, cases=[dict(case, dsnorm_speedup_noisy={})]))
+    marked = dict(case, dsnorm_speedup_noisy={name: True for name in case["dsnorm_speedup"]})
+    text = bench.format_table(dict(result, cases=[marked]))
+    summary = text[text.index("dsnorm speedup"):]
+    assert f"vs {bench.REFERENCE} " in summary and "x (noisy)" in summary

@@ -32,16 +32,27 @@ Method notes:
   call, after a one-time start-up on a tiny shape reported as ``compile_startup_s``.
 * ``--backward`` cases time forward + backward through autograd. ``y`` and the residual are
   verified as above; gradients are not expected bitwise, so each row carries
-  ``grad_max_rel_err = {"dx": .., "dweight": ..}``, the norm-wise relative error against fp64
-  autograd of the same formula (:func:`dsnorm.ref.rms_norm_backward_ref`); the reference's own row
-  gives the error to compare with.
+  ``grad_max_rel_err = {"dx": .., "dweight": .., "dresidual": ..}`` (``dresidual`` in the fused
+  form), the norm-wise relative error against fp64 autograd of the same formula
+  (:func:`dsnorm.ref.rms_norm_backward_ref`); the reference's own row gives the error to compare
+  with, and dsnorm's fails the run beyond :func:`gradient_criterion`.
+* The fusion cases (:func:`dsnorm.fusions.bench_cases`) time each fused call against its
+  ``composition`` (role ``baseline``: the same outputs from dsnorm's unfused calls); both are
+  verified against the same outputs from :mod:`dsnorm.ref`'s formulas.
+* A row whose median is over ``NOISY_RATIO`` times its fastest call is ``noisy``; a ratio involving
+  one is marked so in the summary and in ``dsnorm_speedup_noisy``. Calls stalled throughout (all
+  providers slowed by another process) are not detectable that way: the load average is kept and
+  printed.
 
 JSON (``--json``): top level ``machine`` (``cpu``, ``threads``, ``torch``, ``numba``, ``triton``
 and more), ``copy_gbps``, ``cases``, plus ``fidelity_ok``, ``elapsed_s``, ``compile_startup_s``,
-``byte_model``, ``timing``. Each case: ``name``, ``shape``, ``form`` (plain / fused / in-place),
-``providers`` and ``site``, ``direction``, ``layout``, ``bytes``, ``fidelity_rule``,
-``dsnorm_speedup`` (time of each provider / time of dsnorm; ``dsnorm_speedup_graph`` the same
-under CUDA graphs). Each provider: ``name``,
+``byte_model``, ``timing`` (in words) and ``settings`` (its numbers), ``input_seed``, ``filters``
+(the ``--cases`` / ``--providers`` texts; ``dsnorm bench`` only); ``machine`` also holds
+``numba_threads`` and ``numba_threading_layer`` on CPU. Each case: ``name``, ``shape``, ``form``
+(plain / fused / in-place), ``providers`` and ``site``, ``direction``, ``layout``, ``bytes``,
+``fidelity_rule``, ``dsnorm_speedup`` (time of each provider / time of dsnorm;
+``dsnorm_speedup_graph`` the same under CUDA graphs; ``dsnorm_speedup_noisy`` which of the ratios
+involve a noisy row). Each provider: ``name``, ``bytes`` (its byte model; the floor row's own),
 ``median_ms``, ``gbps``, ``pct_copy``, ``speedup_vs_reference``, ``residual_bitwise`` (None in the
 plain form), ``max_ulp``, ``pct_bitwise``, ``compile_s`` (torch.compile rows), ``graph_us``,
 ``graph_gbps``, ``graph_pct_copy`` (CUDA forward cases: per call replayed from a CUDA graph of 100
@@ -65,6 +76,7 @@ import statistics
 import sys
 import time
 import warnings
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -91,6 +103,8 @@ REFERENCE = "reference"
 COMPILED = "torch.compile"
 FLOOR = "torch.add"
 DSNORM = "dsnorm"
+# A fusion case's baseline: the same outputs from dsnorm's unfused calls.
+COMPOSITION = "composition"
 VLLM = "vllm"
 
 JSON_TOP_KEYS = ("machine", "copy_gbps", "cases")
@@ -204,7 +218,12 @@ class Inputs:
     dres: Optional[torch.Tensor] = None
 
 
-def make_inputs(case: Case, device: torch.device, seed: int = 0) -> Inputs:
+# The norm cases' inputs are drawn from this seed (kept in the JSON as ``input_seed``); the fusion
+# cases draw theirs in dsnorm.fusions.bench_cases from seed 0 too.
+INPUT_SEED = 0
+
+
+def make_inputs(case: Case, device: torch.device, seed: int = INPUT_SEED) -> Inputs:
     """Random bf16 activations, a larger-magnitude bf16 residual stream and full-mantissa fp32
     gains around 1 (so the final ``weight * x̂`` rounding is exercised), drawn on the CPU from a
     fixed seed so that every device gets the same numbers."""
@@ -247,13 +266,34 @@ def fidelity_criterion(device_type: str, width: int, dtype: torch.dtype = DTYPE)
     return 1
 
 
+def gradient_criterion(dtype: torch.dtype = DTYPE) -> dict:
+    """The largest norm-wise relative error (:func:`max_rel_err` against fp64 autograd) allowed for
+    dsnorm's gradients in backward cases, by gradient.
+
+    ``dx`` and ``dresidual`` are rounded once to ``dtype``, which alone costs up to half an ulp of
+    the largest entry; one whole ulp (``finfo(dtype).eps``, 2**-7 in bf16) leaves room for the fp32
+    arithmetic before that rounding and still fails a wrong gradient. ``dweight`` stays in fp32:
+    2**-14 is far above the error of an fp32 sum over the rows and far below what bf16-rounded
+    terms would give.
+    """
+    eps = torch.finfo(dtype).eps
+    return {"dx": eps, "dresidual": eps, "dweight": 2.0 ** -14}
+
+
 def meets_fidelity(verification: dict, device_type: str, width: int, dtype: torch.dtype = DTYPE) -> bool:
     """True if a verification row (:func:`compare`) satisfies :func:`fidelity_criterion`:
     residual bitwise equal (where there is one) and ``max_ulp`` within the allowance; a bitwise
     criterion wants every bit (``pct_bitwise`` 100: -0 against +0, or another NaN payload, is 0 ulp
-    apart but not the same bits)."""
+    apart but not the same bits). A backward row's gradients (``grad_max_rel_err``) must also be
+    within :func:`gradient_criterion`."""
     if verification.get("residual_bitwise") is False:
         return False
+    grad_errors = verification.get("grad_max_rel_err")
+    if grad_errors is not None:
+        allowed_grad = gradient_criterion(dtype)
+        # "not <=" so that a NaN error fails too.
+        if any(not (err is not None and err <= allowed_grad[name]) for name, err in grad_errors.items()):
+            return False
     max_ulp = verification.get("max_ulp")
     allowed = fidelity_criterion(device_type, width, dtype)
     if allowed == 0 and verification.get("pct_bitwise") != 100.0:
@@ -343,7 +383,8 @@ class Runner:
 
     ``fn(*args)`` is the timed call; ``args()`` supplies its arguments untimed (fresh inputs for
     in-place ops); ``outputs()`` returns ``(y, residual_out)`` on the case's inputs for
-    verification, and ``grads`` (backward cases) ``(dx, dweight)``. ``gains`` says which weights
+    verification, and ``grads`` (backward cases) ``(dx, dweight, dresidual)`` (``dresidual`` None
+    in the plain form). ``gains`` says which weights
     the provider holds: ``"fp32"``, or ``"input"`` for kernels whose weight is in the activation
     dtype (the reference it is verified against then uses the same rounded gains).
     """
@@ -433,7 +474,7 @@ def _backward_runner(name, role, module, case, inp) -> Runner:
         x, r = args()
         with torch.enable_grad():
             y, ro = step(x, r)
-        state["grads"] = (x.grad, module.weight.grad)
+        state["grads"] = (x.grad, module.weight.grad, None if r is None else r.grad)
         return y.detach(), None if ro is None else ro.detach()
 
     def grads():
@@ -736,7 +777,7 @@ class Settings:
 
 
 DEFAULT = Settings(budget_s=0.25, min_reps=3, max_reps=2000, warmup=2, rounds=5, copy_mb=256, copy_reps=10)
-QUICK = Settings(budget_s=0.01, min_reps=2, max_reps=50, warmup=1, rounds=2, copy_mb=64, copy_reps=3)
+QUICK = Settings(budget_s=0.01, min_reps=2, max_reps=50, warmup=2, rounds=2, copy_mb=64, copy_reps=3)
 
 
 class _Clock:
@@ -766,8 +807,9 @@ class _Clock:
 def measure(runners: list, settings: Settings, device: torch.device, failures: Optional[dict] = None) -> dict:
     """Median seconds per call for each runner, timed interleaved.
 
-    Warm-up calls first (they absorb first-call compilation and allocation, and estimate the cost
-    of one call); each runner is then given ``n`` calls (``budget_s / estimate``, clamped to
+    Warm-up calls first (they absorb first-call compilation and allocation; the fastest of them
+    estimates the cost of one call, so that one call stalled by another process does not cut the
+    timed calls to the minimum); each runner is then given ``n`` calls (``budget_s / estimate``, clamped to
     ``[min_reps, max_reps]``) spread over ``rounds`` round-robin rounds whose starting provider
     rotates; a round stops a runner early (after at least one call) once it has spent twice its
     share of the budget. Returns ``{name: (median_s, n, min_s)}``. With a ``failures`` dict, a
@@ -785,11 +827,11 @@ def measure(runners: list, settings: Settings, device: torch.device, failures: O
         return True
 
     for r in runners:
-        est = None
+        est = math.inf
         try:
             for _ in range(max(1, settings.warmup)):
                 args = r.args()
-                est = clock.resolve([clock.call(r.fn, args)])[0]
+                est = min(est, clock.resolve([clock.call(r.fn, args)])[0])
         except Exception as e:
             if failed(r, e):
                 continue
@@ -910,7 +952,22 @@ def machine_info(device: torch.device) -> dict:
     }
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
+    else:
+        import numba
+
+        # dsnorm's CPU kernels run min(threads, numba_threads) threads.
+        info["numba_threads"] = numba.config.NUMBA_NUM_THREADS
     return info
+
+
+def _numba_threading_layer() -> Optional[str]:
+    """The threading layer numba's parallel kernels ran on (None if none ran)."""
+    try:
+        import numba
+
+        return numba.threading_layer()
+    except (ImportError, ValueError):  # ValueError: no parallel kernel has run yet
+        return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1013,15 +1070,19 @@ def _verify(runner, case, inp, cache) -> dict:
                 out["residual_bitwise"] is False, out["max_ulp"], -out["pct_bitwise"]):
             out = got
     if grads is not None and runner.grads is not None:
-        dx, dw = runner.grads()
-        out["grad_max_rel_err"] = {"dx": max_rel_err(dx, grads[0]), "dweight": max_rel_err(dw, grads[1])}
+        dx, dw, dres = runner.grads()
+        errors = {"dx": max_rel_err(dx, grads[0]), "dweight": max_rel_err(dw, grads[1])}
+        if dres is not None:
+            # d(x + residual)/d residual is 1: the residual's gradient is x's.
+            errors["dresidual"] = max_rel_err(dres, grads[0])
+        out["grad_max_rel_err"] = errors
     return out
 
 
 def _empty_row(name, role, reason=None) -> dict:
     row = {k: None for k in JSON_PROVIDER_KEYS}
     row.update(name=name, role=role, available=reason is None, reason=reason, note="", reps=None, min_ms=None,
-               noisy=None, fidelity_ok=None, graph_us=None, graph_gbps=None, graph_pct_copy=None, graph_note=None)
+               bytes=None, noisy=None, fidelity_ok=None, graph_us=None, graph_gbps=None, graph_pct_copy=None, graph_note=None)
     if name == COMPILED:
         row["compile_s"] = None
     return row
@@ -1053,9 +1114,11 @@ def run_case(case: Case, ctx: _Context, settings: Settings, progress: Progress, 
     rows, runners, cache = [], [], {}
     with grad_ctx:
         for name, build in PROVIDERS:
-            if name in CUDA_ONLY and ctx.device.type != "cuda":
-                continue
             if only is not None and name not in only and name not in (REFERENCE, DSNORM):
+                continue
+            if name in CUDA_ONLY and ctx.device.type != "cuda":
+                if only is not None:  # asked for by name: say why there is no number
+                    rows.append(_empty_row(name, "peer", "CUDA only (--device cuda)"))
                 continue
             role = {REFERENCE: "reference", DSNORM: "dsnorm", FLOOR: "floor"}.get(name, "peer")
             try:
@@ -1110,14 +1173,17 @@ def run_case(case: Case, ctx: _Context, settings: Settings, progress: Progress, 
         # min_ms is kept beside the median: a wide gap between them means the CPUs were shared
         # (a parallel region waits for a thread that another process holds off its core).
         row.update(median_ms=median_s * 1e3, min_ms=min_s * 1e3, gbps=gbps, reps=n,
-                   noisy=median_s > NOISY_RATIO * min_s,
+                   bytes=by_name[row["name"]].nbytes, noisy=median_s > NOISY_RATIO * min_s,
                    speedup_vs_reference=(ref_s / median_s) if ref_s else None)
     ds = medians.get(DSNORM, (None,))[0]
-    ratios = {}
+    noisy = {row["name"]: bool(row["noisy"]) for row in rows if row["available"]}
+    ratios, ratios_noisy = {}, {}
     if ds:
         for name, (median_s, _, _) in medians.items():
             if name != DSNORM:
                 ratios[name] = median_s / ds
+                # A ratio is only as steady as the noisier of its two medians.
+                ratios_noisy[name] = noisy[name] or noisy[DSNORM]
     graph_us = {row["name"]: row["graph_us"] for row in rows if row.get("graph_us")}
     ratios_graph = {name: us / graph_us[DSNORM] for name, us in graph_us.items() if name != DSNORM} \
         if DSNORM in graph_us else {}
@@ -1133,15 +1199,17 @@ def run_case(case: Case, ctx: _Context, settings: Settings, progress: Progress, 
         "fidelity_rule": "bitwise" if fidelity_criterion(ctx.device.type, case.width) == 0 else "<= 1 ulp",
         "providers": rows,
         "dsnorm_speedup": ratios,
+        "dsnorm_speedup_noisy": ratios_noisy,
         "dsnorm_speedup_graph": ratios_graph,
     }
     return out
 
 
 # ---------------------------------------------------------------------------------------------
-# DeepSeek-specific fusions (dsnorm.fusions): each fused call against its eager composition of
-# dsnorm's own ops and the reference quantisation. On CPU the two must agree bitwise (every
-# output: y, residual, fp8 q, scales); no peer offers these, so the composition is the reference.
+# DeepSeek-specific fusions (dsnorm.fusions): each fused call timed against its composition of
+# dsnorm's own unfused calls (what a user would write without the fusion); both verified against
+# the same outputs from ref.py's eager formulas. On CPU every output must be bitwise equal (y,
+# residual, fp8 q, scales). No peer offers these fusions.
 
 def _outputs_equal(got, want, form: str, normed=()) -> dict:
     """Bitwise comparison of two output tuples: ``max_ulp`` over all outputs (fp8 included),
@@ -1187,37 +1255,51 @@ def fusion_fidelity_ok(eq: dict, device_type: str) -> bool:
 
 
 def run_fusion_case(fc: dict, ctx: "_Context", settings: Settings, progress: Progress) -> dict:
-    """One fusion: verify the fused call against its eager composition, then time both."""
-    # The eager composition is the reference of a fusion (named so in the JSON, described in note).
-    composed = Runner(REFERENCE, "reference", fc["baseline"], _const(), nbytes=fc["bytes"],
-                      note="eager " + fc["baseline_name"])
+    """One fusion: verify the fused call and its composition against the reference's outputs, then
+    time the two (the reference itself is not timed: the norm cases time it)."""
+    composed = Runner(COMPOSITION, "baseline", fc["baseline"], _const(), nbytes=fc["bytes"],
+                      note=fc["baseline_name"])
     fused = Runner(DSNORM, "dsnorm", fc["fused"], _const(), nbytes=fc["bytes"], note="one fused call")
-    ref_row = _empty_row(composed.name, "reference")
-    ref_row.update(residual_bitwise=True if fc["form"] == "fused" else None, max_ulp=0, pct_bitwise=100.0,
-                   note=composed.note)
+    base_row = _empty_row(composed.name, "baseline")
+    base_row["note"] = composed.note
     row = _empty_row(DSNORM, "dsnorm")
     row["note"] = fused.note
+    rows = [base_row, row]
     with torch.no_grad():
         try:
-            row.update(_outputs_equal(fused.fn(), composed.fn(), fc["form"], fc["normed"]))
-            row["fidelity_ok"] = fusion_fidelity_ok(row, ctx.device.type)
-            del row["normed_max_ulp"]
-        except Exception as e:  # a fusion that raises fails the run, like any dsnorm row
+            want = fc["reference"]()
+        except Exception as e:  # nothing to verify against: the run cannot vouch for the fusion
             progress.step(f"{fc['name']}: failed")
-            return _fusion_case_json(fc, ctx, [ref_row, _failed_row(DSNORM, "dsnorm", f"{type(e).__name__}: {e}")])
+            return _fusion_case_json(fc, ctx, [base_row, _failed_row(
+                DSNORM, "dsnorm", f"the reference raised {type(e).__name__}: {e}")])
+        for r, runner in ((base_row, composed), (row, fused)):
+            try:
+                r.update(_outputs_equal(runner.fn(), want, fc["form"], fc["normed"]))
+                if r is row:
+                    row["fidelity_ok"] = fusion_fidelity_ok(row, ctx.device.type)
+                del r["normed_max_ulp"]
+            except Exception as e:  # a fusion that raises fails the run, like any dsnorm row
+                failed = _failed_row(r["name"], r["role"], f"{type(e).__name__}: {e}")
+                failed["note"] = r["note"]
+                rows[rows.index(r)] = failed
+        base_row, row = rows
+        if not row["available"]:
+            progress.step(f"{fc['name']}: failed")
+            return _fusion_case_json(fc, ctx, rows)
         progress.step(f"{fc['name']}: verified")
         failures: dict = {}
-        medians = measure([composed, fused], settings, ctx.device, failures)
-    if failures:
-        _mark_failures([ref_row, row], failures)
-        return _fusion_case_json(fc, ctx, [ref_row, row])
-    base_s = medians[composed.name][0]
-    for r, runner in ((ref_row, composed), (row, fused)):
-        median_s, n, min_s = medians[runner.name]
-        r.update(median_ms=median_s * 1e3, min_ms=min_s * 1e3, gbps=runner.nbytes / median_s / 1e9, reps=n,
-                 noisy=median_s > NOISY_RATIO * min_s, speedup_vs_reference=base_s / median_s)
-    out = _fusion_case_json(fc, ctx, [ref_row, row])
-    out["dsnorm_speedup"] = {composed.name: base_s / medians[DSNORM][0]}
+        live = [runner for r, runner in zip(rows, (composed, fused)) if r["available"]]
+        medians = measure(live, settings, ctx.device, failures)
+    _mark_failures(rows, failures)
+    for r in rows:
+        if r["available"]:
+            median_s, n, min_s = medians[r["name"]]
+            r.update(median_ms=median_s * 1e3, min_ms=min_s * 1e3, gbps=fc["bytes"] / median_s / 1e9, reps=n,
+                     noisy=median_s > NOISY_RATIO * min_s, bytes=fc["bytes"])
+    out = _fusion_case_json(fc, ctx, rows)
+    if base_row["available"] and row["available"]:
+        out["dsnorm_speedup"] = {COMPOSITION: medians[COMPOSITION][0] / medians[DSNORM][0]}
+        out["dsnorm_speedup_noisy"] = {COMPOSITION: bool(base_row["noisy"] or row["noisy"])}
     return out
 
 
@@ -1226,7 +1308,7 @@ def _fusion_case_json(fc: dict, ctx, rows: list) -> dict:
         "name": fc["name"], "site": "fusion", "shape": list(fc["shape"]), "form": fc["form"],
         "direction": "forward", "layout": fc.get("layout", "contiguous"), "dtype": "bfloat16",
         "bytes": fc["bytes"], "fidelity_rule": "bitwise" if ctx.device.type == "cpu" else "reported",
-        "providers": rows, "dsnorm_speedup": {}, "dsnorm_speedup_graph": {},
+        "providers": rows, "dsnorm_speedup": {}, "dsnorm_speedup_noisy": {}, "dsnorm_speedup_graph": {},
     }
 
 
@@ -1271,6 +1353,8 @@ def bench(device: str = "cpu", quick: bool = False, backward: bool = False, case
         except Unavailable:
             vllm = None
     machine["vllm_so"] = vllm
+    if dev.type == "cpu":
+        machine["numba_threading_layer"] = _numba_threading_layer()
     machine["load_avg_end"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     ok = all(p["fidelity_ok"] is not False for c in results for p in c["providers"] if p["role"] == "dsnorm")
     return {
@@ -1283,6 +1367,8 @@ def bench(device: str = "cpu", quick: bool = False, backward: bool = False, case
         "quick": quick,
         "elapsed_s": time.perf_counter() - t_start,
         "byte_model": " ".join(case_bytes.__doc__.split()),
+        "settings": dataclasses.asdict(settings),
+        "input_seed": INPUT_SEED,
         "timing": (f"median of single calls, interleaved round robin over {settings.rounds} rounds, "
                    f"{settings.warmup} warm-up calls, ~{settings.budget_s}s per provider per case; "
                    "in-place ops take a fresh input set from a pool each call (refilled untimed)"),
@@ -1321,7 +1407,8 @@ def format_table(result: dict, color: bool = False) -> str:
     lines.append(f"dsnorm bench on {where}{m['cpu']} ({m['device']}, {m['threads']} threads, "
                  f"capability {m['cpu_capability']}); torch {m['torch']}, numba {m['numba']}")
     loads = [m.get("load_avg"), m.get("load_avg_end")]
-    if any(load is not None and load >= 0.5 * (os.cpu_count() or 1) for load in loads):
+    under_load = any(load is not None and load >= 0.5 * (os.cpu_count() or 1) for load in loads)
+    if under_load:
         lines.append(f"note: load average {_fmt(loads[0], '.2f')} at the start, {_fmt(loads[1], '.2f')} at the "
                      "end: other work shares the CPUs, timings are noisy")
     samples = ", ".join(f"{g:.1f}" for g in result.get("copy_gbps_samples", ()))
@@ -1369,7 +1456,8 @@ def format_table(result: dict, color: bool = False) -> str:
                 extra.append(p["graph_note"])
             if p.get("grad_max_rel_err"):
                 g = p["grad_max_rel_err"]
-                extra.append(f"grad rel err dx {g['dx']:.1e} dw {g['dweight']:.1e}")
+                extra.append(f"grad rel err dx {g['dx']:.1e} dw {g['dweight']:.1e}"
+                             + (f" dres {g['dresidual']:.1e}" if "dresidual" in g else ""))
             if p["note"]:
                 extra.append(p["note"])
             if p.get("noisy"):
@@ -1385,8 +1473,16 @@ def format_table(result: dict, color: bool = False) -> str:
     lines.append("dsnorm speedup (time of X / time of dsnorm; > 1: dsnorm faster; vs torch.add: < 1 is above the floor):")
     for case in result["cases"]:
         r = case["dsnorm_speedup"]
+        noisy = case.get("dsnorm_speedup_noisy", {})
         if r:
-            lines.append(f"  {case['name']:<30} " + ", ".join(f"vs {k} {v:.2f}x" for k, v in r.items()))
+            lines.append(f"  {case['name']:<30} " + ", ".join(
+                f"vs {k} {v:.2f}x" + (" (noisy)" if noisy.get(k) else "") for k, v in r.items()))
+    if any(any(case.get("dsnorm_speedup_noisy", {}).values()) for case in result["cases"]):
+        lines.append("(noisy): one of the two medians is over 3x its fastest call; the ratio is not a measurement "
+                     "of the kernels")
+    if under_load:
+        lines.append("the CPUs were shared (see the load note at the top): a ratio can be a scheduler artefact, "
+                     "even one not marked noisy; rerun on a quiet machine, or with --threads 1")
     if any(case.get("dsnorm_speedup_graph") for case in result["cases"]):
         lines.append("the same under CUDA graphs (the GPU's own time per call):")
         for case in result["cases"]:
@@ -1467,14 +1563,21 @@ def run(args: argparse.Namespace) -> int:
     if args.threads is not None and args.threads < 1:
         print(f"dsnorm bench: --threads must be >= 1, got {args.threads}", file=sys.stderr)
         return 2
-    if args.threads is not None and args.device == "cpu":
+    if args.device == "cpu":
         import numba
 
-        if args.threads > numba.config.NUMBA_NUM_THREADS:
-            # torch's peers would run that many threads and dsnorm's kernels only numba's pool.
+        # torch's peers would run that many threads and dsnorm's kernels only numba's pool: the
+        # ratios would compare unequal thread counts.
+        pool = numba.config.NUMBA_NUM_THREADS
+        if args.threads is not None and args.threads > pool:
             print(f"dsnorm bench: --threads {args.threads} is more than numba's pool "
-                  f"(NUMBA_NUM_THREADS={numba.config.NUMBA_NUM_THREADS}), which dsnorm's kernels run on; "
+                  f"(NUMBA_NUM_THREADS={pool}), which dsnorm's kernels run on; "
                   f"set NUMBA_NUM_THREADS={args.threads} in the environment first", file=sys.stderr)
+            return 2
+        if args.threads is None and torch.get_num_threads() > pool:
+            print(f"dsnorm bench: torch runs {torch.get_num_threads()} threads but numba's pool, which dsnorm's "
+                  f"kernels run on, has NUMBA_NUM_THREADS={pool}: the peers would have more threads than dsnorm; "
+                  f"pass --threads {pool}, or unset NUMBA_NUM_THREADS", file=sys.stderr)
             return 2
     only = {p.strip() for p in args.providers.split(",") if p.strip()} if args.providers is not None else None
     if only is not None and not only:
@@ -1503,21 +1606,32 @@ def run(args: argparse.Namespace) -> int:
         print(f"dsnorm bench: --json and --plot name one file ({args.plot}): the chart would replace the "
               f"results", file=sys.stderr)
         return 2
-    cases = default_cases(args.backward, QUICK_TOKENS if args.quick else PREFILL_TOKENS)
+    tokens = QUICK_TOKENS if args.quick else PREFILL_TOKENS
+    cases = default_cases(args.backward, tokens)
     fusions = None
-    if args.cases:
+    if args.cases is not None:
         wanted = [w.strip().lower() for w in args.cases.split(",") if w.strip()]
-        cases = [c for c in cases if any(w in c.name.lower() for w in wanted)]
-        fusions = [f for f in fusion_cases(args.quick, torch.device(args.device))
-                   if any(w in f["name"].lower() for w in wanted)]
+        if not wanted:
+            print(f"dsnorm bench: --cases {args.cases!r} names no case", file=sys.stderr)
+            return 2
+
+        def matches(name):
+            return any(w in name.lower() for w in wanted)
+
+        cases = [c for c in cases if matches(c.name)]
+        fusions = [f for f in fusion_cases(args.quick, torch.device(args.device)) if matches(f["name"])]
         if not cases and not fusions:
-            print(f"dsnorm bench: no case matches --cases {args.cases!r}", file=sys.stderr)
+            hint = ""
+            if not args.backward and any(matches(c.name) for c in default_cases(True, tokens)):
+                hint = " (it names training cases: add --backward)"
+            print(f"dsnorm bench: no case matches --cases {args.cases!r}{hint}", file=sys.stderr)
             return 2
     threads = torch.get_num_threads()
     try:
         if args.threads is not None:
             torch.set_num_threads(args.threads)
         result = bench(args.device, args.quick, args.backward, cases, args.vllm_so, only, fusions=fusions)
+        result["filters"] = {"cases": args.cases, "providers": args.providers}
     finally:
         # In-process callers (tests, notebooks) get their thread count back.
         torch.set_num_threads(threads)

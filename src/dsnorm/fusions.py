@@ -47,7 +47,9 @@ from dsnorm.ref import (  # noqa: F401 (re-exported: the fusions' reference live
     _check_quant_args,
     act_quant_ref,
     fused_add_rms_norm_fp8_ref,
+    fused_add_rms_norm_ref,
     rms_norm_fp8_ref,
+    rms_norm_ref,
 )
 
 __all__ = [
@@ -520,7 +522,8 @@ def bench_cases(quick: bool = False, device: str = "cpu"):
 
     Returns a list of dicts: ``name``, ``shape`` (list of ints; for the MLA pair the two inputs'
     widths added, see ``layout``), ``form`` (plain / fused), ``fused`` and ``baseline`` (zero-argument
-    callables), ``bytes`` (DRAM bytes the fused call must move: inputs read once, outputs written
+    callables: the fusion, and the same outputs composed of dsnorm's unfused calls), ``reference``
+    (the same outputs from :mod:`dsnorm.ref`'s eager formulas, to verify both against), ``bytes`` (DRAM bytes the fused call must move: inputs read once, outputs written
     once), ``baseline_name``, ``normed`` (indices of the outputs that are normalised values, held to
     <= 1 ulp on a GPU; fp8 codes and scales are not). Tensors are built once here.
     """
@@ -542,6 +545,7 @@ def bench_cases(quick: bool = False, device: str = "cpu"):
             name=f"fused_add_rms_norm_fp8 ue8m0 T={rows}", shape=[1, rows, d], form="fused",
             fused=lambda x=x, r=r: fused_add_rms_norm_fp8(x, r, w, scale_fmt="ue8m0"),
             baseline=lambda x=x, r=r: _quantised_fused(x, r, w),
+            reference=lambda x=x, r=r: fused_add_rms_norm_fp8_ref(x, r, w, scale_fmt="ue8m0")[:3],
             baseline_name="act_quant_ref(fused_add_rms_norm)", normed=(),
             bytes=rows * d * (2 * e + e + 1) + rows * (d // 128) * 4 + 4 * d,
         ))
@@ -549,6 +553,7 @@ def bench_cases(quick: bool = False, device: str = "cpu"):
             name=f"rms_norm_fp8 ue8m0 T={rows}", shape=[1, rows, d], form="plain",
             fused=lambda x=x: rms_norm_fp8(x, w, scale_fmt="ue8m0"),
             baseline=lambda x=x: act_quant_ref(rms_norm(x, w), 128, "ue8m0"),
+            reference=lambda x=x: rms_norm_fp8_ref(x, w, scale_fmt="ue8m0")[:2],
             baseline_name="act_quant_ref(rms_norm)", normed=(),
             bytes=rows * d * (e + 1) + rows * (d // 128) * 4 + 4 * d,
         ))
@@ -558,6 +563,7 @@ def bench_cases(quick: bool = False, device: str = "cpu"):
             name=f"final_norm last_only B={batch} T={seq}", shape=[batch, seq, d], form="fused",
             fused=lambda h=h, r=r: final_norm(h, r, w),
             baseline=lambda h=h, r=r: tuple(t[:, -1] for t in fused_add_rms_norm(h, r, w)),
+            reference=lambda h=h, r=r: tuple(t[:, -1] for t in fused_add_rms_norm_ref(h, r, w)),
             baseline_name="fused_add_rms_norm(h)[:, -1]", normed=(0,),
             bytes=batch * d * 2 * 4 + 4 * d,
         ))
@@ -569,6 +575,7 @@ def bench_cases(quick: bool = False, device: str = "cpu"):
             name=f"mla_latent_norms B={batch}", shape=[batch, 1536 + 576], form="plain", layout="q [B,1536] + kv [B,512 of 576]",
             fused=lambda q=q, kv=kv: mla_latent_norms(q, kv, wq, wkv),
             baseline=lambda q=q, kv=kv: (rms_norm(q, wq), rms_norm(kv[..., :512], wkv)),
+            reference=lambda q=q, kv=kv: (rms_norm_ref(q, wq), rms_norm_ref(kv[..., :512], wkv)),
             baseline_name="rms_norm x2", normed=(0, 1),
             bytes=batch * (1536 + 512) * 2 * 2 + 4 * (1536 + 512),
         ))
