@@ -784,7 +784,9 @@ def _tied_conflicts(plan: list, values: list) -> list:
     problems = []
     seen: list = []  # (device, start, end, shape, strides, module name, tensor name, value)
     for (mname, mod, info), v in zip(plan, values):
-        w = mod.weight
+        # A DTensor (FSDP2's sharded or TP's replicated parameter) has no memory of its own: its
+        # data_ptr is 0 for every one; the memory is its local shard's.
+        w = _local_tensor(mod.weight)
         if w.numel() == 0:
             continue
         start, end = address_range(w)
@@ -801,6 +803,29 @@ def _tied_conflicts(plan: list, values: list) -> list:
     return problems
 
 
+def _dtensor_type():
+    # Without importing torch.distributed.tensor (~0.5 s): no DTensor exists before its import.
+    module = sys.modules.get("torch.distributed.tensor")
+    return None if module is None else module.DTensor
+
+
+def _local_tensor(w):
+    """``w``'s own memory: the local shard of a DTensor, else ``w``."""
+    dtensor = _dtensor_type()
+    return w.to_local() if dtensor is not None and isinstance(w, dtensor) else w
+
+
+def _placed_like(v, w):
+    """The full value ``v`` placed as the parameter ``w`` is: ``w``'s share of it on each rank when
+    ``w`` is a DTensor (every rank read the whole gain; nothing is sent), else ``v``."""
+    dtensor = _dtensor_type()
+    if dtensor is None or not isinstance(w, dtensor):
+        return v
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(v, w.device_mesh, w.placements, src_data_rank=None)
+
+
 def _copy_all(plan: list, values: list) -> None:
     """Write every value, or (if a write fails) put back the ones written and say which module failed."""
     import torch
@@ -812,7 +837,7 @@ def _copy_all(plan: list, values: list) -> None:
             # tensor outside inference mode) only after it has written.
             written.append((mod.weight, mod.weight.detach().clone()))
             try:
-                mod.weight.copy_(v)
+                mod.weight.copy_(_placed_like(v, mod.weight))
             except Exception as e:
                 with torch.inference_mode():  # where every tensor, inference or not, can be written
                     for w, old in reversed(written):
@@ -836,6 +861,8 @@ def load_norms(model, path: Union[str, os.PathLike]) -> LoadReport:
     A tensor stored in several files loads from the shard the index names; without an index saying
     so (model-parallel replicas, a stale shard in a directory), only when every copy holds the same
     dtype, shape and bytes. A bare ``RMSNorm`` takes the tensor ``weight``, its state_dict key.
+    DTensor parameters (after FSDP2's ``fully_shard`` or a tensor-parallel plan) load too: every
+    rank reads the gains and writes its own share of each, with no communication.
 
     Args:
         model: an ``nn.Module`` holding ``dsnorm.RMSNorm`` modules (e.g. after :func:`dsnorm.patch`).

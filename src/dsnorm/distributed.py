@@ -11,6 +11,9 @@ placements. The rule, per mesh dimension, follows ``x``:
   placement, ``rstd`` (shape ``x.shape[:-1]``) the same placement too (``d`` < its ndim);
   ``dweight`` becomes ``Partial("sum")`` where ``x`` is sharded (each rank has the sum over its own
   rows; DTensor adds them when the gradient is used), ``Replicate()`` where it is replicated.
+  A gain narrower than the compute dtype (a bf16 or fp16 weight) gets its gradient already summed
+  (``Replicate()``): the ranks' fp32 parts are all-reduced in fp32, then rounded once to the
+  gain's dtype, as in one process (DTensor's cast would round each part, then add in bf16).
 * ``x`` sharded on its last (normalised) dimension: refused with an error naming the placements
   to use instead. A norm over a sharded hidden dimension needs an all-reduce of the squared sums
   and would not be bitwise equal to the single-device result; dsnorm does not do it.
@@ -119,9 +122,11 @@ def _last_dim_error(op_name: str, name: str, spec, mesh_dim: int) -> ValueError:
     ndim = spec.ndim
     if ndim > 1:
         rows = " or ".join(f"Shard({d})" for d in range(min(ndim - 1, 2)))
+        # The example keeps the other mesh dims' placements: a redistribute takes one per mesh dim.
+        example = ", ".join("Shard(0)" if i == mesh_dim else _placement_text(p) for i, p in enumerate(spec.placements))
         instead = (
             f"Shard {name} on a row dimension instead ({rows}: batch or sequence) or use Replicate(), "
-            f"e.g. {name}.redistribute(mesh, [Shard(0)]); with tensor parallelism use SequenceParallel() for "
+            f"e.g. {name}.redistribute(mesh, [{example}]); with tensor parallelism use SequenceParallel() for "
             f"the norm (between RowwiseParallel(output_layouts=Shard(1)) and ColwiseParallel(input_layouts=Shard(1)))"
         )
     else:
@@ -131,6 +136,14 @@ def _last_dim_error(op_name: str, name: str, spec, mesh_dim: int) -> ValueError:
         f"({spec.placements[mesh_dim]!r} on mesh dim {mesh_dim}), the dimension RMSNorm normalises over; "
         f"dsnorm does not split a row across ranks (that needs an all-reduce of the squared sums). {instead}."
     )
+
+
+def _placement_text(p) -> str:
+    """A placement as code that builds it (``Shard(1)``, ``Replicate()``), for error messages."""
+    d = _shard_dim(p)
+    if d is not None:
+        return f"Shard({d})"
+    return f"{type(p).__name__}()" if not p.is_partial() else repr(p)
 
 
 def _strategy(op_name: str, op_schema):
@@ -170,11 +183,12 @@ def _strategy(op_name: str, op_schema):
 
     for i, role in enumerate(arg_roles):
         if role == _WEIGHT and specs[i] is not None and tuple(specs[i].placements) != replicate:
+            name = _arg_name(op_name, i)
             raise ValueError(
-                f"dsnorm.{op_name}: weight must be Replicate() on every mesh dim, got placements "
+                f"dsnorm.{op_name}: {name} must be Replicate() on every mesh dim, got placements "
                 f"{tuple(specs[i].placements)}: a sharded gain is a shard of the normalised dimension. Under "
-                f"FSDP2 (fully_shard) the op sees the all-gathered weight; for a DTensor weight use "
-                f"weight.redistribute(mesh, [Replicate()] * mesh.ndim) or distribute it with Replicate()."
+                f"FSDP2 (fully_shard) the op sees the all-gathered gain; for a DTensor gain use "
+                f"{name}.redistribute(mesh, [Replicate()] * mesh.ndim) or distribute it with Replicate()."
             )
     if inplace and (tuple(specs[1].placements) != tuple(x_spec.placements) or rows != tuple(x_spec.placements)):
         raise ValueError(
@@ -264,6 +278,7 @@ class _Loader(importlib.abc.Loader):
 
     def exec_module(self, module):
         self._loader.exec_module(module)
+        _remove_hook()  # the module now exists: registration happens here or never by the hook
         try:
             register()
         except Exception as e:  # never break the user's import of torch.distributed.tensor
@@ -278,13 +293,15 @@ class _Loader(importlib.abc.Loader):
 
 
 class _Finder(importlib.abc.MetaPathFinder):
+    # The finder stays installed until the module is executed (_Loader.exec_module): a find_spec
+    # alone (importlib.util.find_spec, a probe for the module) imports nothing, so it must not
+    # disarm the registration that the real import still needs.
     def find_spec(self, fullname, path, target=None):
         if fullname != _DT_MODULE:
             return None
-        _remove_hook()  # one shot; also keeps the search below from finding this finder
         for finder in sys.meta_path:
             find_spec = getattr(finder, "find_spec", None)
-            if find_spec is None:
+            if finder is self or find_spec is None:
                 continue
             spec = find_spec(fullname, path, target)
             if spec is not None:
@@ -334,7 +351,8 @@ def _make_sequence_parallel():
         """``torch.distributed.tensor.parallel.SequenceParallel`` for norms called with several inputs.
 
         Torch's style converts only the first input and drops the rest, so ``norm(x, residual)``
-        would silently become ``norm(x)``. This one shards every tensor input on the sequence dim
+        would silently become ``norm(x)``. This one shards every tensor input, positional or keyword
+        (``norm(x, residual=r)``), on the sequence dim
         (a plain tensor is taken as this rank's shard, a DTensor is redistributed if placed
         otherwise), keeps non-tensor inputs, replicates the parameters like torch's style, and
         returns DTensors (or their local shards with ``use_local_output=True``). Works for
@@ -342,16 +360,18 @@ def _make_sequence_parallel():
         """
 
         @staticmethod
+        def _prepare_input(sequence_sharding, device_mesh, t):
+            if isinstance(t, DTensor):
+                if t.placements != sequence_sharding:
+                    t = t.redistribute(placements=sequence_sharding)
+            elif isinstance(t, torch.Tensor):
+                t = DTensor.from_local(t, device_mesh, sequence_sharding, run_check=False)
+            return t
+
+        @staticmethod
         def _prepare_inputs(sequence_sharding, mod, inputs, device_mesh):
-            prepared = []
-            for t in inputs:
-                if isinstance(t, DTensor):
-                    if t.placements != sequence_sharding:
-                        t = t.redistribute(placements=sequence_sharding)
-                elif isinstance(t, torch.Tensor):
-                    t = DTensor.from_local(t, device_mesh, sequence_sharding, run_check=False)
-                prepared.append(t)
-            return tuple(prepared)
+            prepare = SequenceParallel._prepare_input
+            return tuple(prepare(sequence_sharding, device_mesh, t) for t in inputs)
 
         @staticmethod
         def _prepare_outputs(use_local_output, mod, outputs, device_mesh):
@@ -364,13 +384,23 @@ def _make_sequence_parallel():
         def _apply(self, module, device_mesh):
             from functools import partial
 
-            return distribute_module(
+            module = distribute_module(
                 module,
                 device_mesh,
                 self._replicate_module_fn,
-                partial(self._prepare_inputs, self.sequence_sharding),
+                None,  # inputs below: distribute_module's input hook sees no keyword arguments
                 partial(self._prepare_outputs, self.use_local_output),
             )
+            sharding, prepare = self.sequence_sharding, self._prepare_input
+
+            def prepare_all(mod, args, kwargs):
+                # norm(x, residual=r) as well as norm(x, r): a keyword residual left a plain
+                # local shard beside the DTensor x.
+                return (tuple(prepare(sharding, device_mesh, t) for t in args),
+                        {k: prepare(sharding, device_mesh, v) for k, v in kwargs.items()})
+
+            module.register_forward_pre_hook(prepare_all, with_kwargs=True)
+            return module
 
     SequenceParallel.__module__ = __name__
     return SequenceParallel
