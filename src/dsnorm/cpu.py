@@ -1188,26 +1188,12 @@ def _make_libc():
         madvise = libc.madvise
         madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         madvise.restype = ctypes.c_int
-        return madvise, ctypes.memset
+        return madvise
     except (OSError, AttributeError):  # not Linux/glibc: plain pages
-        return None, None
+        return None
 
 
-_madvise, _memset = _make_libc()
-_MADV_DONTNEED = 4
-_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-
-
-def _clear(lo: int, hi: int) -> None:
-    """Bytes [lo, hi) read as zeros from now on: whole pages dropped (MADV_DONTNEED: they take no
-    memory until written), the partial pages at the ends zeroed."""
-    inner_lo = -(-lo // _PAGE_BYTES) * _PAGE_BYTES
-    inner_hi = hi // _PAGE_BYTES * _PAGE_BYTES
-    if inner_lo >= inner_hi or _madvise(inner_lo, inner_hi - inner_lo, _MADV_DONTNEED) != 0:
-        _memset(lo, 0, hi - lo)
-        return
-    _memset(lo, 0, inner_lo - lo)
-    _memset(inner_hi, 0, hi - inner_hi)
+_madvise = _make_libc()
 
 
 # Mid-sized outputs (64 KiB to 32 MiB) come from glibc's heap, not from mmap, once glibc has seen
@@ -1243,11 +1229,13 @@ def empty_output(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     glibc maps large allocations without 2 MiB alignment, so the unaligned head and tail of an
     advised plain allocation took 4 KiB pages: ~1000 faults for the two [1, 4096, 7168] bf16
     outputs, a quarter of the call (10.8-11.4 -> 7.6-8.4 ms). An output of 4 MiB or more is
-    therefore an ordinary tensor (not a view) at a storage offset below 2 MiB in an allocation 2
-    MiB larger than the data. Only the whole huge pages of the data are advised (a partly used
-    one would hold up to 2 MiB more than the data), and the 2 MiB of slack is cleared without
-    being written: it takes no memory, and code that copies the whole storage (torch.save,
-    pickle) sees zeros there, never another tensor's freed data that the allocator handed back.
+    therefore carved out of an allocation 2 MiB larger than the data, on its first 2 MiB
+    boundary. Only the whole huge pages of the data are advised (a partly used one would hold up
+    to 2 MiB more than the data). The output's storage is exactly its data, at offset 0 (made
+    through numpy, whose array keeps the allocation alive): torch.save, pickle and share_memory_
+    copy a tensor's whole storage, and with the allocation's storage they copied the 2 MiB of
+    slack too (+50% for a 4 MiB output). Such a storage cannot grow (``resize_`` to more
+    elements raises; shrinking works), as any tensor made from numpy.
     """
     nbytes = like.numel() * dtype.itemsize
     if nbytes >= _PRIME_MIN_BYTES and _primed_bytes < min(_PRIME_OUTPUTS * nbytes, _PRIME_MAX_BYTES):
@@ -1260,10 +1248,10 @@ def empty_output(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     base = raw.data_ptr()
     start = -(-base // _HUGE_PAGE) * _HUGE_PAGE
     _madvise(start, nbytes // _HUGE_PAGE * _HUGE_PAGE, _MADV_HUGEPAGE)  # advice only: may be refused
-    _clear(base, start)
-    _clear(start + nbytes, base + nbytes + _HUGE_PAGE)
-    # 64-byte aligned base, so the offset is a whole number of elements.
-    return torch.empty(0, dtype=dtype).set_(raw.untyped_storage(), (start - base) // dtype.itemsize, like.shape)
+    data = raw.numpy()[start - base:start - base + nbytes]  # a numpy view: it holds raw
+    # set_ on the storage, not .view(dtype): the output is no view (no _base for autograd to
+    # rebase in-place ops onto).
+    return torch.empty(0, dtype=dtype).set_(torch.from_numpy(data).untyped_storage(), 0, like.shape)
 
 
 def _fills_new_memory() -> bool:
