@@ -229,7 +229,7 @@ def test_verification_refuses_missing_outputs_and_other_shapes():
     with pytest.raises(ValueError):
         bench.compare(a, a.reshape(3, 2))  # a dsnorm output of the wrong shape
     assert bench.compare(a, a.reshape(3, 2), reshape=True)["pct_bitwise"] == 100.0  # a peer's layout
-    with pytest.raises(ValueError, match="1 outputs where the composition gives 2"):
+    with pytest.raises(ValueError, match="1 outputs where the reference gives 2"):
         bench._outputs_equal((a,), (a, a), "plain")
     zeros = torch.zeros(4, dtype=torch.bfloat16)
     eq = bench._outputs_equal((zeros,), (-zeros,), "plain", normed=(0,))

@@ -482,6 +482,21 @@ def narrow_gain_gradient(mesh):
             got, want = dw.grad.full_tensor(), wr.grad
             ulps = (got.view(torch.int16).int() - want.view(torch.int16).int()).abs()
             assert int(ulps.max()) <= 1 and int((ulps > 0).sum()) <= 2, (wdtype, pl, ulps.tolist())
+    # The same compiled: the traced gradient's placement is the forward's (Replicate), not the
+    # Partial it has at run time (a reduction conditioned on it was dropped from the graph).
+    w = (1 + 0.5 * _randn((64,), torch.float32, 83)).bfloat16()
+    wr = w.clone().requires_grad_()
+    dsnorm.rms_norm(x, wr).backward(g)
+    for backend in ("aot_eager", "inductor"):
+        torch._dynamo.reset()
+        f = torch.compile(lambda a, b: dsnorm.rms_norm(a, b), backend=backend)
+        for pl in _row_placements(3)[:2]:
+            dx = distribute_tensor(x, mesh, [pl]).requires_grad_()
+            dw = distribute_tensor(w, mesh, [Replicate()]).requires_grad_()
+            f(dx, dw).backward(distribute_tensor(g, mesh, [pl]))
+            assert tuple(dw.grad.placements) == (Replicate(),), (backend, pl, dw.grad.placements)
+            ulps = (dw.grad.full_tensor().view(torch.int16).int() - wr.grad.view(torch.int16).int()).abs()
+            assert int(ulps.max()) <= 1 and int((ulps > 0).sum()) <= 2, (backend, pl, ulps.tolist())
 
 
 @check
@@ -531,6 +546,20 @@ def error_texts(mesh):
     assert placements == [Replicate(), Shard(0)], placements
     y = dsnorm.rms_norm(x.redistribute(mesh2d, placements), w)  # the suggestion works
     _bitwise(y.full_tensor(), dsnorm.rms_norm(x.full_tensor(), torch.ones(32)), "y after the suggested redistribute")
+    # Every mesh dim's shard of the last dim is replaced, a Partial printed as what it becomes.
+    from torch.distributed.tensor import DTensor, Partial
+
+    full = _randn((4, 6, 32), torch.bfloat16, 74)
+    both = distribute_tensor(full, mesh2d, [Shard(2), Shard(2)])
+    partial = DTensor.from_local(both.to_local(), mesh2d, [Partial(), Shard(2)], run_check=False,
+                                 shape=full.shape, stride=full.stride())
+    for t, want in ((both, [Shard(0), Shard(0)]), (partial, [Replicate(), Shard(0)])):
+        with pytest.raises(Exception) as info:
+            dsnorm.rms_norm(t, w)
+        text = str(info.value) + str(getattr(info.value, "__cause__", ""))
+        example = re.search(r"x\.redistribute\(mesh, (\[[^\]]*\])\)", text)
+        assert example and eval(example.group(1), {"Shard": Shard, "Replicate": Replicate}) == want, text  # noqa: S307
+        dsnorm.rms_norm(t.redistribute(mesh2d, want), w)  # runs
 
 
 @check
@@ -549,15 +578,26 @@ def load_norms_into_dtensors(mesh):
              for i in range(n_layers) for k, site in enumerate(("attn_norm", "ffn_norm"))}
     gains["norm.weight"] = (1 + 0.5 * _randn((d,), torch.float32, 99)).bfloat16()
 
-    def model():
-        m = torch.nn.Module()
-        m.layers = torch.nn.ModuleList()
-        for _ in range(n_layers):
-            block = torch.nn.Module()
-            block.attn_norm, block.ffn_norm = dsnorm.RMSNorm(d), dsnorm.RMSNorm(d)
-            m.layers.append(block)
-        m.norm = dsnorm.RMSNorm(d)
-        return m
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn_norm, self.ffn_norm = dsnorm.RMSNorm(d), dsnorm.RMSNorm(d)
+
+        def forward(self, h):
+            return self.ffn_norm(self.attn_norm(h))
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(Block() for _ in range(n_layers))
+            self.norm = dsnorm.RMSNorm(d)
+
+        def forward(self, h):
+            for block in self.layers:
+                h = block(h)
+            return self.norm(h)
+
+    model = Model
 
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "model.safetensors")
@@ -575,6 +615,28 @@ def load_norms_into_dtensors(mesh):
             assert len(report.loaded) == len(gains), report
             for name, p in m.named_parameters():
                 _bitwise(p.full_tensor(), gains[name].float(), f"{name} loaded into {tuple(p.placements)}")
+        # After a forward that left the root unsharded (its norm.weight a plain gathered tensor
+        # that the next reshard drops): the load reaches the sharded parameters all the same.
+        gathered = model()
+        for block in gathered.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard(gathered, mesh=mesh)
+        with torch.no_grad():
+            gathered(torch.ones(2, d))
+        assert not isinstance(gathered.norm.weight, type(sharded.norm.weight)), "the root resharded by itself"
+        dsnorm.load_norms(gathered, path)
+        gathered.reshard()
+        for name, p in gathered.named_parameters():
+            _bitwise(p.full_tensor(), gains[name].float(), f"{name} loaded after an unsharding forward")
+        # A Partial parameter holds a pending sum: refused by name, nothing written.
+        from torch.distributed.tensor import DTensor, Partial
+
+        pending = model()
+        w = pending.norm.weight
+        pending.norm.weight = torch.nn.Parameter(DTensor.from_local(w.detach().clone(), mesh, [Partial()]))
+        with pytest.raises(ValueError, match=r"norm: weight is a DTensor placed \(Partial\(sum\),\)"):
+            dsnorm.load_norms(pending, path)
+        _bitwise(pending.norm.weight.to_local(), torch.ones(d), "Partial weight untouched")
 
 
 @check
@@ -750,6 +812,43 @@ def test_a_find_spec_probe_does_not_disarm_the_registration():
     if not dist.is_available():
         pytest.skip("torch.distributed not available")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+# Kills: two import hooks after importlib.reload (the old and the new finder called each other:
+# RecursionError at the import).
+def test_reload_before_the_import_still_registers():
+    code = (
+        "import importlib, sys, torch, dsnorm.distributed as dd\n"
+        "importlib.reload(dd)\n"
+        "import torch.distributed.tensor\n"
+        "assert dd.is_registered()\n"
+        "assert not [f for f in sys.meta_path if getattr(f, '_dsnorm_dtensor_hook', False)]\n"
+    )
+    if not dist.is_available():
+        pytest.skip("torch.distributed not available")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+# Kills: register() took its lock, then imported torch.distributed.tensor, while another thread's
+# import of it (holding the module's import lock) waited in the hook for that lock: both hung.
+def test_register_while_another_thread_imports_does_not_deadlock():
+    code = (
+        "import threading, time, torch, dsnorm.distributed as dd\n"
+        "t = threading.Thread(target=lambda: __import__('torch.distributed.tensor'))\n"
+        "t.start()\n"
+        "time.sleep(0.05)  # the other thread is inside the module's execution (~0.5 s)\n"
+        "dd.register()\n"
+        "t.join()\n"
+        "assert dd.is_registered()\n"
+    )
+    if not dist.is_available():
+        pytest.skip("torch.distributed not available")
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("register() and an import of torch.distributed.tensor in another thread deadlocked")
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 

@@ -341,7 +341,8 @@ class _WidenDTensorGain(torch.autograd.Function):
     before rounding to the gain's dtype, once, as one process does. DTensor's own backward of the
     cast would round each rank's part to bf16 first and add them in bf16 (measured: 20 of 64
     elements 1-2 ulps off the one-process gradient). Costs an all-reduce of the ``[d]`` gradient
-    in the backward, which the ``Partial`` would need anyway before the optimizer step."""
+    in each backward (with gradient accumulation, one per micro-batch where a ``Partial`` would be
+    reduced once per step)."""
 
     @staticmethod
     def forward(ctx, weight, dtype):
@@ -350,11 +351,13 @@ class _WidenDTensorGain(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        placements = getattr(grad, "placements", ())
-        if any(p.is_partial() for p in placements):
+        if _is_dtensor(grad):
             from torch.distributed.tensor import Replicate
 
-            grad = grad.redistribute(grad.device_mesh, [Replicate() if p.is_partial() else p for p in placements])
+            # Unconditionally (a no-op for a replicated gradient): under torch.compile the traced
+            # gradient carries the forward output's placement (Replicate), not the Partial it has
+            # at run time, so a test of its placements would drop the reduction from the graph.
+            grad = grad.redistribute(grad.device_mesh, [Replicate()] * grad.device_mesh.ndim)
         return grad.to(ctx.weight_dtype), None
 
 

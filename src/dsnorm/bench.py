@@ -390,7 +390,7 @@ class Runner:
     """
 
     name: str
-    role: str  # reference / peer / floor / dsnorm
+    role: str  # reference / peer / floor / dsnorm / baseline (a fusion's composition)
     fn: Callable
     args: Callable[[], tuple]
     outputs: Optional[Callable[[], tuple]] = None
@@ -1220,12 +1220,12 @@ def _outputs_equal(got, want, form: str, normed=()) -> dict:
     got = got if isinstance(got, (tuple, list)) else (got,)
     want = want if isinstance(want, (tuple, list)) else (want,)
     if len(got) != len(want):
-        raise ValueError(f"{len(got)} outputs where the composition gives {len(want)}")
+        raise ValueError(f"{len(got)} outputs where the reference gives {len(want)}")
     worst, worst_normed, same, total = 0, 0, 0, 0
     for i, (a, b) in enumerate(zip(got, want)):
         if a.dtype in (torch.float8_e4m3fn,):  # isnan has no fp8 kernel: compare the bytes
             if a.shape != b.shape or b.dtype != a.dtype:
-                raise ValueError(f"output {i}: {a.dtype}{tuple(a.shape)} where the composition gives "
+                raise ValueError(f"output {i}: {a.dtype}{tuple(a.shape)} where the reference gives "
                                  f"{b.dtype}{tuple(b.shape)}")
             d = (a.view(torch.int8).to(torch.int64) - b.view(torch.int8).to(torch.int64)).abs()
         else:
@@ -1478,7 +1478,7 @@ def format_table(result: dict, color: bool = False) -> str:
             lines.append(f"  {case['name']:<30} " + ", ".join(
                 f"vs {k} {v:.2f}x" + (" (noisy)" if noisy.get(k) else "") for k, v in r.items()))
     if any(any(case.get("dsnorm_speedup_noisy", {}).values()) for case in result["cases"]):
-        lines.append("(noisy): one of the two medians is over 3x its fastest call; the ratio is not a measurement "
+        lines.append(f"(noisy): one of the two medians is over {NOISY_RATIO:g}x its fastest call; the ratio is not a measurement "
                      "of the kernels")
     if under_load:
         lines.append("the CPUs were shared (see the load note at the top): a ratio can be a scheduler artefact, "
@@ -1577,7 +1577,9 @@ def run(args: argparse.Namespace) -> int:
         if args.threads is None and torch.get_num_threads() > pool:
             print(f"dsnorm bench: torch runs {torch.get_num_threads()} threads but numba's pool, which dsnorm's "
                   f"kernels run on, has NUMBA_NUM_THREADS={pool}: the peers would have more threads than dsnorm; "
-                  f"pass --threads {pool}, or unset NUMBA_NUM_THREADS", file=sys.stderr)
+                  f"pass --threads {pool}, or "
+                  + ("unset NUMBA_NUM_THREADS" if "NUMBA_NUM_THREADS" in os.environ
+                     else f"set NUMBA_NUM_THREADS={torch.get_num_threads()}"), file=sys.stderr)
             return 2
     only = {p.strip() for p in args.providers.split(",") if p.strip()} if args.providers is not None else None
     if only is not None and not only:

@@ -815,6 +815,31 @@ def _local_tensor(w):
     return w.to_local() if dtensor is not None and isinstance(w, dtensor) else w
 
 
+def _reshard_fsdp(model) -> None:
+    """FSDP2 modules of ``model`` back to their sharded parameters, as torch's load_state_dict
+    does first: after a forward that did not reshard (the root's, or ``reshard_after_forward=False``)
+    a module's parameters are plain unsharded tensors that the next reshard drops, so a value
+    written into them would be lost. Local: frees the gathered copies, moves no data."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    fsdp_module = getattr(fsdp, "FSDPModule", None) if fsdp is not None else None
+    if fsdp_module is None:
+        return
+    for m in model.modules():
+        if isinstance(m, fsdp_module):
+            m.reshard()
+
+
+def _unwritable_placements(w):
+    """``w``'s placements if it is a DTensor with a ``Partial`` among them, else None."""
+    dtensor = _dtensor_type()
+    if dtensor is None or not isinstance(w, dtensor):
+        return None
+    # is_shard() is False for _StridedShard (FSDP2 over TP): every placement but a Partial holds values.
+    if not any(p.is_partial() for p in w.placements):
+        return None
+    return tuple(w.placements)
+
+
 def _placed_like(v, w):
     """The full value ``v`` placed as the parameter ``w`` is: ``w``'s share of it on each rank when
     ``w`` is a DTensor (every rank read the whole gain; nothing is sent), else ``v``."""
@@ -885,6 +910,8 @@ def load_norms(model, path: Union[str, os.PathLike]) -> LoadReport:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     targets = [(n, m) for n, m in model.named_modules(remove_duplicate=True) if isinstance(m, RMSNorm)]
+    if targets:
+        _reshard_fsdp(model)
     if not targets:
         meta = any(p.is_meta for p in model.parameters())
         raise ValueError("model has no dsnorm.RMSNorm modules to load into (patch it first with dsnorm.patch"
@@ -931,6 +958,11 @@ def load_norms(model, path: Union[str, os.PathLike]) -> LoadReport:
         if mod.weight.dim() == 1 and mod.weight.numel() > 1 and mod.weight.stride(0) == 0:
             problems.append(f"{mname}: weight's elements share one memory location (an expanded tensor), "
                             f"so it cannot hold a gain; give it its own parameter")
+            continue
+        placed = _unwritable_placements(mod.weight)
+        if placed:
+            problems.append(f"{mname}: weight is a DTensor placed {placed}; load_norms writes Shard and "
+                            f"Replicate placements (a Partial holds a pending sum, not a gain)")
             continue
         want = tuple(mod.weight.shape)
         if info.shape != want:

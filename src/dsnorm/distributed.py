@@ -122,8 +122,9 @@ def _last_dim_error(op_name: str, name: str, spec, mesh_dim: int) -> ValueError:
     ndim = spec.ndim
     if ndim > 1:
         rows = " or ".join(f"Shard({d})" for d in range(min(ndim - 1, 2)))
-        # The example keeps the other mesh dims' placements: a redistribute takes one per mesh dim.
-        example = ", ".join("Shard(0)" if i == mesh_dim else _placement_text(p) for i, p in enumerate(spec.placements))
+        # One placement per mesh dim: every shard of the last dim becomes Shard(0), a Partial
+        # (which the rule reduces anyway) Replicate(), the others stay.
+        example = ", ".join(_placement_text(p, ndim) for p in spec.placements)
         instead = (
             f"Shard {name} on a row dimension instead ({rows}: batch or sequence) or use Replicate(), "
             f"e.g. {name}.redistribute(mesh, [{example}]); with tensor parallelism use SequenceParallel() for "
@@ -138,12 +139,13 @@ def _last_dim_error(op_name: str, name: str, spec, mesh_dim: int) -> ValueError:
     )
 
 
-def _placement_text(p) -> str:
-    """A placement as code that builds it (``Shard(1)``, ``Replicate()``), for error messages."""
+def _placement_text(p, ndim: int) -> str:
+    """A placement as code that builds it, for the last-dimension error's example: ``Shard(0)``
+    for a shard of the last of ``ndim`` dims, ``Replicate()`` for a ``Partial``."""
     d = _shard_dim(p)
     if d is not None:
-        return f"Shard({d})"
-    return f"{type(p).__name__}()" if not p.is_partial() else repr(p)
+        return "Shard(0)" if d % ndim == ndim - 1 else f"Shard({d})"
+    return "Replicate()"
 
 
 def _strategy(op_name: str, op_schema):
@@ -226,23 +228,26 @@ def register() -> None:
     global _registered
     if _registered:
         return
+    if not torch.distributed.is_available():
+        raise RuntimeError("torch.distributed is not available in this PyTorch build: no DTensor to register for")
+    from functools import partial
+
+    import dsnorm.fusions  # noqa: F401  (defines torch.ops.dsnorm.*, the fusions' ops too)
+
+    # Imported before taking the lock: another thread importing the module at the same time runs
+    # register() from the import hook while it holds the module's import lock; holding ours and
+    # then waiting for that import would deadlock the two threads.
+    try:
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
+    except ImportError as e:  # private module moved in a later torch
+        raise RuntimeError(
+            f"dsnorm's DTensor rules use torch.distributed.tensor._op_schema, which this torch "
+            f"({torch.__version__}) lacks: {e}"
+        ) from e
     with _lock:
         if _registered:
             return
-        if not torch.distributed.is_available():
-            raise RuntimeError("torch.distributed is not available in this PyTorch build: no DTensor to register for")
-        from functools import partial
-
-        import dsnorm.fusions  # noqa: F401  (defines torch.ops.dsnorm.*, the fusions' ops too)
-
-        try:
-            from torch.distributed.tensor import DTensor
-            from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
-        except ImportError as e:  # private module moved in a later torch
-            raise RuntimeError(
-                f"dsnorm's DTensor rules use torch.distributed.tensor._op_schema, which this torch "
-                f"({torch.__version__}) lacks: {e}"
-            ) from e
         propagator = DTensor._op_dispatcher.sharding_propagator
         for name, (roles, *_rest) in _RULES.items():
             overload = getattr(torch.ops.dsnorm, name).default
@@ -293,6 +298,10 @@ class _Loader(importlib.abc.Loader):
 
 
 class _Finder(importlib.abc.MetaPathFinder):
+    # Marks every instance, also those of an earlier copy of this module (importlib.reload): the
+    # search below skips them all, else two hooks would call each other without end.
+    _dsnorm_dtensor_hook = True
+
     # The finder stays installed until the module is executed (_Loader.exec_module): a find_spec
     # alone (importlib.util.find_spec, a probe for the module) imports nothing, so it must not
     # disarm the registration that the real import still needs.
@@ -301,7 +310,7 @@ class _Finder(importlib.abc.MetaPathFinder):
             return None
         for finder in sys.meta_path:
             find_spec = getattr(finder, "find_spec", None)
-            if finder is self or find_spec is None:
+            if getattr(finder, "_dsnorm_dtensor_hook", False) or find_spec is None:
                 continue
             spec = find_spec(fullname, path, target)
             if spec is not None:
@@ -330,6 +339,8 @@ def install() -> None:
     if _registered or not torch.distributed.is_available():
         return
     with _lock:
+        # A hook left by an earlier copy of this module (importlib.reload) registers with that copy.
+        sys.meta_path[:] = [f for f in sys.meta_path if f is _finder or not getattr(f, "_dsnorm_dtensor_hook", False)]
         if _DT_MODULE in sys.modules:
             register()
         elif _finder not in sys.meta_path:
@@ -368,10 +379,6 @@ def _make_sequence_parallel():
                 t = DTensor.from_local(t, device_mesh, sequence_sharding, run_check=False)
             return t
 
-        @staticmethod
-        def _prepare_inputs(sequence_sharding, mod, inputs, device_mesh):
-            prepare = SequenceParallel._prepare_input
-            return tuple(prepare(sequence_sharding, device_mesh, t) for t in inputs)
 
         @staticmethod
         def _prepare_outputs(use_local_output, mod, outputs, device_mesh):
