@@ -779,6 +779,17 @@ def test_dtensor(results, name, world):
         assert results[rank][f"{name}[ws{world}]"] == "skipped"
 
 
+def _run_fresh_python(code: str, timeout: int = 120, hang: str = "timed out") -> None:
+    """Run ``code`` in a new interpreter (nothing imported yet); it must exit 0 within ``timeout``."""
+    if not dist.is_available():
+        pytest.skip("torch.distributed not available")
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pytest.fail(hang)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
 def test_import_registers_lazily():
     """dsnorm.distributed registers after torch.distributed.tensor's first import and imports nothing heavy."""
     code = (
@@ -792,10 +803,7 @@ def test_import_registers_lazily():
         "assert torch.ops.dsnorm.rms_norm.default in funcs and torch.ops.dsnorm.fused_add_rms_norm_.default in funcs\n"
         "assert not torch.cuda.is_initialized()\n"
     )
-    if not dist.is_available():
-        pytest.skip("torch.distributed not available")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    _run_fresh_python(code)
 
 
 # Kills: the import hook removed itself in find_spec: a probe (importlib.util.find_spec, which
@@ -809,10 +817,7 @@ def test_a_find_spec_probe_does_not_disarm_the_registration():
         "assert dd.is_registered(), 'not registered after a probe, then the import'\n"
         "assert dd._finder not in sys.meta_path, 'the hook outlived the import'\n"
     )
-    if not dist.is_available():
-        pytest.skip("torch.distributed not available")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    _run_fresh_python(code)
 
 
 # Kills: two import hooks after importlib.reload (the old and the new finder called each other:
@@ -825,10 +830,7 @@ def test_reload_before_the_import_still_registers():
         "assert dd.is_registered()\n"
         "assert not [f for f in sys.meta_path if getattr(f, '_dsnorm_dtensor_hook', False)]\n"
     )
-    if not dist.is_available():
-        pytest.skip("torch.distributed not available")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    _run_fresh_python(code)
 
 
 # Kills: register() took its lock, then imported torch.distributed.tensor, while another thread's
@@ -843,13 +845,7 @@ def test_register_while_another_thread_imports_does_not_deadlock():
         "t.join()\n"
         "assert dd.is_registered()\n"
     )
-    if not dist.is_available():
-        pytest.skip("torch.distributed not available")
-    try:
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    except subprocess.TimeoutExpired:
-        pytest.fail("register() and an import of torch.distributed.tensor in another thread deadlocked")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    _run_fresh_python(code, timeout=60, hang="register() and an import of torch.distributed.tensor in another thread deadlocked")
 
 
 if __name__ == "__main__":
