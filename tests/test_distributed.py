@@ -628,6 +628,24 @@ def load_norms_into_dtensors(mesh):
         gathered.reshard()
         for name, p in gathered.named_parameters():
             _bitwise(p.full_tensor(), gains[name].float(), f"{name} loaded after an unsharding forward")
+        # The norms' group owned by an FSDP2 root above the module passed (load_norms(lm.model)),
+        # left gathered by a forward: resharded all the same, the values kept.
+        class Outer(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.model = model()
+
+            def forward(self, h):
+                return self.model(h)
+
+        outer = Outer()
+        fully_shard(outer, mesh=mesh)
+        with torch.no_grad():
+            outer(torch.ones(2, d))
+        dsnorm.load_norms(outer.model, path)
+        outer.reshard()
+        for name, p in outer.model.named_parameters():
+            _bitwise(p.full_tensor(), gains[name].float(), f"{name} loaded through a submodule of the FSDP root")
         # A Partial parameter holds a pending sum: refused by name, nothing written.
         from torch.distributed.tensor import DTensor, Partial
 
@@ -846,6 +864,21 @@ def test_register_while_another_thread_imports_does_not_deadlock():
         "assert dd.is_registered()\n"
     )
     _run_fresh_python(code, timeout=60, hang="register() and an import of torch.distributed.tensor in another thread deadlocked")
+
+
+# Kills: install() (public, and run again by importlib.reload) called register() under its lock
+# while another thread's import, in the hook, waited for that lock.
+def test_install_while_another_thread_imports_does_not_deadlock():
+    code = (
+        "import threading, time, torch, dsnorm.distributed as dd\n"
+        "t = threading.Thread(target=lambda: __import__('torch.distributed.tensor'))\n"
+        "t.start()\n"
+        "time.sleep(0.05)\n"
+        "dd.install()\n"
+        "t.join()\n"
+        "assert dd.is_registered()\n"
+    )
+    _run_fresh_python(code, timeout=60, hang="install() and an import of torch.distributed.tensor in another thread deadlocked")
 
 
 if __name__ == "__main__":

@@ -815,18 +815,18 @@ def _local_tensor(w):
     return w.to_local() if dtensor is not None and isinstance(w, dtensor) else w
 
 
-def _reshard_fsdp(model) -> None:
-    """FSDP2 modules of ``model`` back to their sharded parameters, as torch's load_state_dict
-    does first: after a forward that did not reshard (the root's, or ``reshard_after_forward=False``)
-    a module's parameters are plain unsharded tensors that the next reshard drops, so a value
-    written into them would be lost. Local: frees the gathered copies, moves no data."""
-    fsdp = sys.modules.get("torch.distributed.fsdp")
-    fsdp_module = getattr(fsdp, "FSDPModule", None) if fsdp is not None else None
-    if fsdp_module is None:
+def _reshard_fsdp(targets: list) -> None:
+    """The norms' FSDP2 parameter groups back to their sharded parameters, as torch's
+    load_state_dict does first: after a forward that did not reshard (the root's, or
+    ``reshard_after_forward=False``) a group's parameters are plain gathered tensors that the
+    next reshard drops, so a value written into them would be lost. FSDP2 hangs that reshard on
+    each module holding one of the group's parameters as a state_dict pre-hook, so it runs here
+    whether the group's FSDP module is inside the model given or above it (a submodule passed).
+    Local: frees the gathered copies, moves no data."""
+    if "torch.distributed.fsdp" not in sys.modules:  # no FSDP2 module exists before its import
         return
-    for m in model.modules():
-        if isinstance(m, fsdp_module):
-            m.reshard()
+    for _, mod in targets:
+        mod.state_dict()
 
 
 def _unwritable_placements(w):
@@ -887,7 +887,9 @@ def load_norms(model, path: Union[str, os.PathLike]) -> LoadReport:
     so (model-parallel replicas, a stale shard in a directory), only when every copy holds the same
     dtype, shape and bytes. A bare ``RMSNorm`` takes the tensor ``weight``, its state_dict key.
     DTensor parameters (after FSDP2's ``fully_shard`` or a tensor-parallel plan) load too: every
-    rank reads the gains and writes its own share of each, with no communication.
+    rank reads the gains and writes its own share of each, with no communication; call it on
+    every rank (FSDP2's gathered parameters are resharded first, which the next forward's
+    all-gather then expects of every rank).
 
     Args:
         model: an ``nn.Module`` holding ``dsnorm.RMSNorm`` modules (e.g. after :func:`dsnorm.patch`).
@@ -911,7 +913,7 @@ def load_norms(model, path: Union[str, os.PathLike]) -> LoadReport:
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     targets = [(n, m) for n, m in model.named_modules(remove_duplicate=True) if isinstance(m, RMSNorm)]
     if targets:
-        _reshard_fsdp(model)
+        _reshard_fsdp(targets)
     if not targets:
         meta = any(p.is_meta for p in model.parameters())
         raise ValueError("model has no dsnorm.RMSNorm modules to load into (patch it first with dsnorm.patch"

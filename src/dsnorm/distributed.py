@@ -341,10 +341,13 @@ def install() -> None:
     with _lock:
         # A hook left by an earlier copy of this module (importlib.reload) registers with that copy.
         sys.meta_path[:] = [f for f in sys.meta_path if f is _finder or not getattr(f, "_dsnorm_dtensor_hook", False)]
-        if _DT_MODULE in sys.modules:
-            register()
-        elif _finder not in sys.meta_path:
+        imported = _DT_MODULE in sys.modules
+        if not imported and _finder not in sys.meta_path:
             sys.meta_path.insert(0, _finder)
+    # Outside the lock, as register() takes it only after its import: the module may be half
+    # imported by another thread, whose hook waits for the lock while this import waits for it.
+    if imported:
+        register()
 
 
 install()
