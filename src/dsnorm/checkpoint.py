@@ -912,13 +912,12 @@ def load_norms(model, path: Union[str, os.PathLike]) -> LoadReport:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     targets = [(n, m) for n, m in model.named_modules(remove_duplicate=True) if isinstance(m, RMSNorm)]
-    if targets:
-        _reshard_fsdp(targets)
     if not targets:
         meta = any(p.is_meta for p in model.parameters())
         raise ValueError("model has no dsnorm.RMSNorm modules to load into (patch it first with dsnorm.patch"
                          + ("; its parameters are on the meta device, whose norms patch leaves: materialise it "
                             "with model.to_empty(device=...), then patch, then load_norms)" if meta else ")"))
+    _reshard_fsdp(targets)
     files = resolve_checkpoint(path)
     headers = [read_header(f) for f in files.files]
     copies: dict = {}

@@ -1234,8 +1234,8 @@ def empty_output(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     to 2 MiB more than the data). The output's storage is exactly its data, at offset 0 (made
     through numpy, whose array keeps the allocation alive): torch.save, pickle and share_memory_
     copy a tensor's whole storage, and with the allocation's storage they copied the 2 MiB of
-    slack too (+50% for a 4 MiB output). Such a storage cannot be resized, as any tensor's made
-    from numpy: ``resize_`` of the tensor to more elements raises (shrinking works), and so does
+    slack too (+50% for a 4 MiB output). Like that of any tensor made from numpy, such a storage
+    cannot be resized: ``resize_`` of the tensor to more elements raises (shrinking works), and so does
     ``untyped_storage().resize_(0)`` (to free it early, drop the references or swap ``y.data``).
     """
     nbytes = like.numel() * dtype.itemsize
