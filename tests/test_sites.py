@@ -104,6 +104,21 @@ def test_hf_config_fields_change_the_sites():
     assert next(s for s in sites if s.key == "kv_norm").eps == 1e-6  # HF's latent norms use the default eps
 
 
+# Kills: a reference config from before V3.2 (DeepSeek-V3's inference/configs, no index_* field)
+# read with V3.2's ModelArgs default index_head_dim 128: an indexer k_norm in every layer, and
+# `dsnorm count` reported a V3 checkpoint's 122 missing k_norm tensors.
+def test_a_reference_config_without_indexer_fields_has_no_indexer():
+    raw = json.loads(open(default_config_path()).read())
+    v3 = {k: v for k, v in raw.items() if not k.startswith("index_")}
+    assert len(v3) < len(raw)  # the V3.2 config states its indexer
+    cfg = config_from_dict(v3, "config_671B.json")
+    assert cfg.index_head_dim == 0
+    assert not any("k_norm" in s.key for s in enumerate_sites(cfg))
+    assert config_from_dict(raw, "v3.2").index_head_dim == raw["index_head_dim"]
+    # Any indexer field says V3.2: the others take ModelArgs' defaults.
+    assert config_from_dict({**v3, "index_n_heads": 64}, "partial").index_head_dim == 128
+
+
 def test_more_dense_layers_than_layers_makes_every_block_dense():
     # A truncated copy of the 671B config (n_layers 2, n_dense_layers left at 3) is a usual smoke test;
     # the reference (layer_id < n_dense_layers) and transformers build every block dense.

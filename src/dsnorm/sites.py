@@ -107,6 +107,10 @@ def _field(d: dict, key: str, source: str, default: Any = None, *, minimum: int 
     return value
 
 
+# The V3.2 reference config's indexer fields; a reference config without any of them predates V3.2.
+_REF_INDEX_FIELDS = ("index_n_heads", "index_head_dim", "index_topk")
+
+
 def config_from_dict(d: dict, source: str = "<dict>") -> ModelConfig:
     """Read a model config in either naming into a :class:`ModelConfig`.
 
@@ -115,8 +119,10 @@ def config_from_dict(d: dict, source: str = "<dict>") -> ModelConfig:
             ``q_lora_rank``, ``kv_lora_rank``, ``index_head_dim``) or Hugging Face names
             (``hidden_size``, ``num_hidden_layers``, ``first_k_dense_replace``, ``q_lora_rank``,
             ``kv_lora_rank``, ``num_nextn_predict_layers``, ``rms_norm_eps``, ``index_head_dim``).
-            Missing optional fields take the reference ``ModelArgs`` defaults (reference names) or
-            are treated as absent (HF names: no indexer, no MTP layer).
+            Missing optional fields take the reference ``ModelArgs`` defaults (reference names;
+            but a reference config with none of ``index_n_heads``, ``index_head_dim``,
+            ``index_topk`` predates V3.2 and has no indexer) or are treated as absent (HF names:
+            no indexer, no MTP layer).
         source: named in error messages.
 
     Raises:
@@ -136,7 +142,11 @@ def config_from_dict(d: dict, source: str = "<dict>") -> ModelConfig:
         n_dense = _field(d, "n_dense_layers", source, 1)
         q_rank = _field(d, "q_lora_rank", source, 0)
         kv_rank = _field(d, "kv_lora_rank", source, 512, minimum=1)
-        index_dim = _field(d, "index_head_dim", source, 128)
+        # V3.2's ModelArgs defaults to an indexer (index_head_dim 128), but the reference configs
+        # from before V3.2 (DeepSeek-V3's inference/configs: 16B, 236B, 671B) have no index_* field
+        # and no indexer: without any of those fields the config is read as one of them.
+        has_indexer = any(k in d for k in _REF_INDEX_FIELDS)
+        index_dim = _field(d, "index_head_dim", source, 128 if has_indexer else 0)
         n_routed = _field(d, "n_routed_experts", source, 64)
         n_mtp, mtp_stated = 1, False
         eps, freq, fmt = REFERENCE_EPS, 1, "reference"
