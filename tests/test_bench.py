@@ -655,3 +655,18 @@ def test_noisy_ratios_are_marked_in_the_summary(quick):
     text = bench.format_table(dict(result, cases=[marked]))
     summary = text[text.index("dsnorm speedup"):]
     assert f"vs {bench.REFERENCE} " in summary and "x (noisy)" in summary
+
+
+# Kills: the load note judged by the load at the end too, which counts the run's own threads: a
+# quiet 2-core machine ended near 1.2 and every run was called shared, its ratios doubted.
+def test_the_load_note_is_judged_by_the_load_when_the_run_started(quick):
+    import os
+
+    cpus = os.cpu_count() or 1
+    result = json.loads(json.dumps(quick["json"]))
+    quiet = dict(result, machine=dict(result["machine"], load_avg=0.0, load_avg_end=2.0 * cpus))
+    text = bench.format_table(quiet)
+    assert "note: load average" not in text and "the CPUs were shared" not in text
+    busy = dict(result, machine=dict(result["machine"], load_avg=1.0 * cpus, load_avg_end=0.0))
+    text = bench.format_table(busy)
+    assert "note: load average" in text and "the CPUs were shared" in text
