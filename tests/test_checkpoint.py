@@ -150,6 +150,18 @@ def test_reference_model_parallel_checkpoint_counts_replicas_once(tmp_path):
     assert not any(r["group"] == "mtp" for r in rep.sites)  # no MTP layer expected in a reference conversion
 
 
+# A V3.2 checkpoint against a hand-written reference config without index_* fields: the indexer's
+# k_norm tensors are extra, and the message says why (such a config is read as pre-V3.2).
+def test_k_norm_extra_under_a_config_without_index_fields_says_why(tmp_path):
+    ref_checkpoint(tmp_path / "ck")
+    cfg = tmp_path / "no_index.json"
+    cfg.write_text(json.dumps({k: v for k, v in REF_CFG.items() if not k.startswith("index_")}))
+    rep = count_norms(tmp_path / "ck", str(cfg))
+    extras = [m for m in rep.mismatches if m["kind"] == "extra"]
+    assert extras and all(m["site"].endswith("k_norm") for m in extras)
+    assert all("read as one from before V3.2" in m["detail"] and "add index_head_dim" in m["detail"] for m in extras)
+
+
 def test_reference_checkpoint_problems(tmp_path):
     cfg = tmp_path / "ref_cfg.json"
     cfg.write_text(json.dumps(REF_CFG))

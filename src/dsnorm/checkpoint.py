@@ -601,6 +601,9 @@ def count_norms(path: Union[str, os.PathLike], config: Union[None, str, os.PathL
             why = "layer beyond the config's n_layers (a reference checkpoint has no MTP layer)"
         elif c and c[2] is not None and c[2] >= cfg.n_layers + cfg.n_mtp_layers:
             why = f"layer {c[2]} beyond the config's {cfg.n_layers} layers + {cfg.n_mtp_layers} MTP"
+        elif c and c[1] == "k_norm" and cfg.format == "reference" and not cfg.index_head_dim:
+            why = ("not expected by the config: a reference config with no index_* field is read as one from "
+                   "before V3.2, without an indexer (add index_head_dim)")
         mismatches.append({"kind": "extra", "tensor": name, "site": key,
                            "detail": f"{why}: {info.dtype} {list(info.shape)} ({os.path.basename(info.file)})"})
         row = rows.get(key)
