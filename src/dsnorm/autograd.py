@@ -18,7 +18,6 @@ machine's CPU).
 
 from __future__ import annotations
 
-import sys
 from typing import Optional
 
 import torch
@@ -324,15 +323,9 @@ def _compute_weight(weight: torch.Tensor, x: torch.Tensor, name: str = "weight",
     cdtype = compute_dtype(x.dtype) if x.dtype in ops.INPUT_DTYPES else torch.float32
     if wdtype == cdtype:
         return weight.contiguous()
-    if _is_dtensor(weight):
+    if ops.is_dtensor(weight):
         return _WidenDTensorGain.apply(weight, cdtype).contiguous()
     return weight.to(cdtype).contiguous()
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    # Without importing torch.distributed.tensor (~0.5 s): no DTensor exists before its import.
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(t, module.DTensor)
 
 
 class _WidenDTensorGain(torch.autograd.Function):
@@ -351,7 +344,7 @@ class _WidenDTensorGain(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        if _is_dtensor(grad):
+        if ops.is_dtensor(grad):
             from torch.distributed.tensor import Replicate
 
             # Unconditionally (a no-op for a replicated gradient): under torch.compile the traced

@@ -76,8 +76,7 @@ import statistics
 import sys
 import time
 import warnings
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Callable, Optional
 
 import torch
@@ -1106,6 +1105,17 @@ def _failed_row(name, role, reason) -> dict:
     return row
 
 
+def _record_timing(row: dict, timing: tuple, nbytes: int) -> float:
+    """Fill a provider row from :func:`measure`'s ``(median_s, n, min_s)`` and its byte model;
+    returns the median in seconds."""
+    median_s, n, min_s = timing
+    # min_ms is kept beside the median: a wide gap between them means the CPUs were shared
+    # (a parallel region waits for a thread that another process holds off its core).
+    row.update(median_ms=median_s * 1e3, min_ms=min_s * 1e3, gbps=nbytes / median_s / 1e9, reps=n,
+               bytes=nbytes, noisy=median_s > NOISY_RATIO * min_s)
+    return median_s
+
+
 def run_case(case: Case, ctx: _Context, settings: Settings, progress: Progress, only: Optional[set] = None) -> dict:
     """Build, verify and time every provider of one case; returns the case's JSON object
     (``pct_copy`` is filled in by :func:`bench` once the copy bandwidth is known)."""
@@ -1168,13 +1178,8 @@ def run_case(case: Case, ctx: _Context, settings: Settings, progress: Progress, 
     for row in rows:
         if not row["available"]:
             continue
-        median_s, n, min_s = medians[row["name"]]
-        gbps = by_name[row["name"]].nbytes / median_s / 1e9
-        # min_ms is kept beside the median: a wide gap between them means the CPUs were shared
-        # (a parallel region waits for a thread that another process holds off its core).
-        row.update(median_ms=median_s * 1e3, min_ms=min_s * 1e3, gbps=gbps, reps=n,
-                   bytes=by_name[row["name"]].nbytes, noisy=median_s > NOISY_RATIO * min_s,
-                   speedup_vs_reference=(ref_s / median_s) if ref_s else None)
+        median_s = _record_timing(row, medians[row["name"]], by_name[row["name"]].nbytes)
+        row["speedup_vs_reference"] = (ref_s / median_s) if ref_s else None
     ds = medians.get(DSNORM, (None,))[0]
     noisy = {row["name"]: bool(row["noisy"]) for row in rows if row["available"]}
     ratios, ratios_noisy = {}, {}
@@ -1272,16 +1277,16 @@ def run_fusion_case(fc: dict, ctx: "_Context", settings: Settings, progress: Pro
             progress.step(f"{fc['name']}: failed")
             return _fusion_case_json(fc, ctx, [base_row, _failed_row(
                 DSNORM, "dsnorm", f"the reference raised {type(e).__name__}: {e}")])
-        for r, runner in ((base_row, composed), (row, fused)):
+        for i, runner in enumerate((composed, fused)):
+            r = rows[i]
             try:
                 r.update(_outputs_equal(runner.fn(), want, fc["form"], fc["normed"]))
-                if r is row:
-                    row["fidelity_ok"] = fusion_fidelity_ok(row, ctx.device.type)
+                if r["role"] == "dsnorm":
+                    r["fidelity_ok"] = fusion_fidelity_ok(r, ctx.device.type)
                 del r["normed_max_ulp"]
             except Exception as e:  # a fusion that raises fails the run, like any dsnorm row
-                failed = _failed_row(r["name"], r["role"], f"{type(e).__name__}: {e}")
-                failed["note"] = r["note"]
-                rows[rows.index(r)] = failed
+                rows[i] = _failed_row(r["name"], r["role"], f"{type(e).__name__}: {e}")
+                rows[i]["note"] = r["note"]
         base_row, row = rows
         if not row["available"]:
             progress.step(f"{fc['name']}: failed")
@@ -1293,9 +1298,7 @@ def run_fusion_case(fc: dict, ctx: "_Context", settings: Settings, progress: Pro
     _mark_failures(rows, failures)
     for r in rows:
         if r["available"]:
-            median_s, n, min_s = medians[r["name"]]
-            r.update(median_ms=median_s * 1e3, min_ms=min_s * 1e3, gbps=fc["bytes"] / median_s / 1e9, reps=n,
-                     noisy=median_s > NOISY_RATIO * min_s, bytes=fc["bytes"])
+            _record_timing(r, medians[r["name"]], fc["bytes"])
     out = _fusion_case_json(fc, ctx, rows)
     if base_row["available"] and row["available"]:
         out["dsnorm_speedup"] = {COMPOSITION: medians[COMPOSITION][0] / medians[DSNORM][0]}
@@ -1367,7 +1370,7 @@ def bench(device: str = "cpu", quick: bool = False, backward: bool = False, case
         "quick": quick,
         "elapsed_s": time.perf_counter() - t_start,
         "byte_model": " ".join(case_bytes.__doc__.split()),
-        "settings": dataclasses.asdict(settings),
+        "settings": asdict(settings),
         "input_seed": INPUT_SEED,
         "timing": (f"median of single calls, interleaved round robin over {settings.rounds} rounds, "
                    f"{settings.warmup} warm-up calls, ~{settings.budget_s}s per provider per case; "

@@ -806,16 +806,11 @@ def _tied_conflicts(plan: list, values: list) -> list:
     return problems
 
 
-def _dtensor_type():
-    # Without importing torch.distributed.tensor (~0.5 s): no DTensor exists before its import.
-    module = sys.modules.get("torch.distributed.tensor")
-    return None if module is None else module.DTensor
-
-
 def _local_tensor(w):
     """``w``'s own memory: the local shard of a DTensor, else ``w``."""
-    dtensor = _dtensor_type()
-    return w.to_local() if dtensor is not None and isinstance(w, dtensor) else w
+    from dsnorm.ops import is_dtensor
+
+    return w.to_local() if is_dtensor(w) else w
 
 
 def _reshard_fsdp(targets: list) -> None:
@@ -834,8 +829,9 @@ def _reshard_fsdp(targets: list) -> None:
 
 def _unwritable_placements(w):
     """``w``'s placements if it is a DTensor with a ``Partial`` among them, else None."""
-    dtensor = _dtensor_type()
-    if dtensor is None or not isinstance(w, dtensor):
+    from dsnorm.ops import is_dtensor
+
+    if not is_dtensor(w):
         return None
     # is_shard() is False for _StridedShard (FSDP2 over TP): every placement but a Partial holds values.
     if not any(p.is_partial() for p in w.placements):
@@ -846,8 +842,9 @@ def _unwritable_placements(w):
 def _placed_like(v, w):
     """The full value ``v`` placed as the parameter ``w`` is: ``w``'s share of it on each rank when
     ``w`` is a DTensor (every rank read the whole gain; nothing is sent), else ``v``."""
-    dtensor = _dtensor_type()
-    if dtensor is None or not isinstance(w, dtensor):
+    from dsnorm.ops import is_dtensor
+
+    if not is_dtensor(w):
         return v
     from torch.distributed.tensor import distribute_tensor
 

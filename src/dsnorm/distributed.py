@@ -382,7 +382,6 @@ def _make_sequence_parallel():
                 t = DTensor.from_local(t, device_mesh, sequence_sharding, run_check=False)
             return t
 
-
         @staticmethod
         def _prepare_outputs(use_local_output, mod, outputs, device_mesh):
             if not use_local_output:

@@ -523,8 +523,8 @@ def bench_cases(quick: bool = False, device: str = "cpu"):
     Returns a list of dicts: ``name``, ``shape`` (list of ints; for the MLA pair the two inputs'
     widths added, see ``layout``), ``form`` (plain / fused), ``fused`` and ``baseline`` (zero-argument
     callables: the fusion, and the same outputs composed of dsnorm's unfused calls), ``reference``
-    (the same outputs from :mod:`dsnorm.ref`'s eager formulas, to verify both against), ``bytes`` (DRAM bytes the fused call must move: inputs read once, outputs written
-    once), ``baseline_name``, ``normed`` (indices of the outputs that are normalised values, held to
+    (the same outputs from :mod:`dsnorm.ref`'s eager formulas, to verify both against), ``bytes``
+    (DRAM bytes the fused call must move: inputs read once, outputs written once), ``baseline_name``, ``normed`` (indices of the outputs that are normalised values, held to
     <= 1 ulp on a GPU; fp8 codes and scales are not). Tensors are built once here.
     """
     from dsnorm.autograd import fused_add_rms_norm, rms_norm

@@ -138,6 +138,13 @@ def check_options(eps, cast, residual_rounding="fp32_sum", residual_dtype=None) 
         _OPTIONS_OK.add(key)
 
 
+def is_dtensor(t) -> bool:
+    """True for a DTensor, without importing torch.distributed.tensor (~0.5 s): no DTensor exists
+    before its import."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
 def check_dense(t: torch.Tensor, name: str) -> None:
     # Sparse, mkldnn and nested tensors have no rows of unit stride to read (a nested tensor has
     # no shape at all): refused by name rather than by whatever torch raises deeper down.
