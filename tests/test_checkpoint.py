@@ -310,6 +310,29 @@ def test_a_named_config_wins_over_the_one_beside_the_checkpoint(tmp_path, capsys
     assert "nonexistent.json" in capsys.readouterr().err
 
 
+def test_a_model_directory_names_its_config_json(tmp_path, capsys):
+    # A porter points --config at the model directory, as from_pretrained takes it; it was refused
+    # ("Is a directory"). Its config.json is read, and --json may not replace that file either.
+    hf_checkpoint(tmp_path, names=HF_MAIN + [k for k in HF_K_NORM if ".layers.3." not in k])
+    other = tmp_path.parent / "no_mtp_model"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({**HF_CFG, "num_nextn_predict_layers": 0}))
+    rep = count_norms(tmp_path, other)
+    assert rep.ok and rep.config_source == str(other / "config.json")
+    assert cli.main(["count", str(tmp_path), "--config", str(other)]) == 0
+    assert cli.main(["sites", "--config", str(other), "--site", "q_norm"]) == 0
+    capsys.readouterr()
+    kept = (other / "config.json").read_bytes()
+    for command in (["count", str(tmp_path)], ["sites"]):
+        assert cli.main(command + ["--config", str(other), "--json", str(other / "config.json")]) == 2
+        assert "is the --config file" in capsys.readouterr().err
+    assert (other / "config.json").read_bytes() == kept
+    empty = tmp_path.parent / "empty_model"
+    empty.mkdir()
+    assert cli.main(["sites", "--config", str(empty)]) == 2
+    assert "empty_model/config.json: cannot read model config" in capsys.readouterr().err
+
+
 def _write_raw(path, header_bytes, data=b"", length=None):
     n = len(header_bytes) if length is None else length
     path.write_bytes(struct.pack("<Q", n) + header_bytes + data)

@@ -33,6 +33,7 @@ from dsnorm.sites import (
     HF_SUFFIX,
     REF_SUFFIX,
     ModelConfig,
+    config_file,
     default_config_path,
     enumerate_sites,
     json_path_refused,
@@ -1017,15 +1018,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("path", metavar="PATH",
                         help="a .safetensors file, a directory of shards, or a model.safetensors.index.json")
     parser.add_argument("--config", metavar="FILE",
-                        help="expected model config (default: the config.json beside the checkpoint, "
-                             "else the built-in 671B V3.2-Exp)")
+                        help="expected model config, or a model directory holding config.json (default: "
+                             "the config.json beside the checkpoint, else the built-in 671B V3.2-Exp)")
     parser.add_argument("--json", metavar="FILE", help="write the report as JSON ('-': stdout instead of the text)")
 
 
 def _inputs(args: argparse.Namespace) -> list:
     """``(option, path)`` of every file ``dsnorm count`` reads: the path named, its shards, the
     index, and the config (given, or the one beside the checkpoint)."""
-    inputs = [("checkpoint", args.path), ("--config", args.config), ("built-in config", default_config_path())]
+    config = config_file(args.config) if args.config is not None else None
+    inputs = [("checkpoint", args.path), ("--config", config), ("built-in config", default_config_path())]
     try:
         files = resolve_checkpoint(args.path)
     except (ValueError, OSError):

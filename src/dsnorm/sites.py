@@ -26,7 +26,7 @@ import os
 import re
 import sys
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Union
 
 DEFAULT_CONFIG_NAME = "config_671B_v3.2.json"
 # A model config is a few KB; a cap keeps a hostile or mistaken path (a checkpoint shard) from being read whole.
@@ -316,18 +316,26 @@ def default_config_path() -> str:
     return os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", DEFAULT_CONFIG_NAME)
 
 
-def load_config(path: Optional[str] = None) -> ModelConfig:
+def config_file(path: Union[str, os.PathLike]) -> str:
+    """The file a config path names: the path itself, or a model directory's ``config.json`` (the
+    file ``transformers``' ``from_pretrained`` reads from a checkpoint directory)."""
+    path = os.fspath(path)
+    return os.path.join(path, "config.json") if os.path.isdir(path) else path
+
+
+def load_config(path: Optional[Union[str, os.PathLike]] = None) -> ModelConfig:
     """Load a model config file (reference or HF names); ``None`` loads the built-in 671B default.
 
     Args:
-        path: a JSON file path, or ``None``.
+        path: a JSON file path, a model directory holding ``config.json``, or ``None``.
 
     Raises:
         ValueError: unreadable, oversized or invalid JSON, or not a DeepSeek config.
     """
     if path is None:
         return config_from_dict(read_json_file(default_config_path(), "built-in config"), f"built-in {DEFAULT_CONFIG_NAME}")
-    return config_from_dict(read_json_file(os.fspath(path), "model config"), os.fspath(path))
+    path = config_file(path)
+    return config_from_dict(read_json_file(path, "model config"), path)
 
 
 @dataclass(frozen=True)
@@ -786,7 +794,8 @@ def render_page(cfg: ModelConfig, key: str, markdown: bool = False) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``dsnorm sites``."""
     parser.add_argument("--config", metavar="FILE",
-                        help="model config (reference or Hugging Face field names); default: built-in 671B V3.2-Exp")
+                        help="model config (reference or Hugging Face field names), or a model directory "
+                             "holding config.json; default: built-in 671B V3.2-Exp")
     parser.add_argument("--markdown", action="store_true", help="print Markdown instead of plain text")
     parser.add_argument("--json", metavar="FILE", help="also write the full catalogue as JSON ('-': stdout only)")
     parser.add_argument("--site", metavar="NAME", help="print one site's page (e.g. q_norm, kv_a_layernorm, norm)")
@@ -794,7 +803,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``dsnorm sites``; returns the exit status (2 on a bad config or site name)."""
-    if json_path_refused("sites", args.json, [("--config", args.config), ("built-in config", default_config_path())]):
+    config = config_file(args.config) if args.config is not None else None
+    if json_path_refused("sites", args.json, [("--config", config), ("built-in config", default_config_path())]):
         return 2
     try:
         cfg = load_config(args.config)
