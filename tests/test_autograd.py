@@ -589,9 +589,9 @@ def test_jit_trace_records_a_serialisable_op_in_grad_mode():
 
 
 def test_torch_export_keeps_the_ops_and_the_bits(tmp_path):
-    # torch.export is the deployment route (AOTInductor, ExecuTorch): the ops must appear in the
-    # exported graph as themselves (not traced through into aten), survive save / load and
-    # run_decompositions, take a dynamic batch, and give the eager bits and gradients.
+    # torch.export is the deployment route (AOTInductor, in a Python process that imported dsnorm):
+    # the ops must appear in the exported graph as themselves (not traced through into aten), survive
+    # save / load and run_decompositions, take a dynamic batch, and give the eager bits and gradients.
     g = torch.Generator().manual_seed(9)
 
     class Block(torch.nn.Module):
@@ -648,6 +648,45 @@ def test_torch_export_keeps_the_ops_and_the_bits(tmp_path):
             xi, ri = xb.clone(), rb.clone()
             exported.module()(xi, ri)
             assert torch.equal(xi, want[0]) and torch.equal(ri, want[1])
+
+
+def test_an_aot_inductor_package_gives_the_eager_bits(tmp_path):
+    # AOTInductor compiles the exported graph to a shared library around the ops, which it calls back
+    # through the dispatcher: a decode block (fused norm, plain norm on a projection, kv_norm on a
+    # strided slice, the chained fused norm) with dynamic batch and length, run from the package.
+    g = torch.Generator().manual_seed(12)
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wq_a, self.wkv_a = torch.nn.Linear(96, 48), torch.nn.Linear(96, 40)
+            self.attn_norm, self.ffn_norm = dsnorm.RMSNorm(96), dsnorm.RMSNorm(96)
+            self.q_norm, self.kv_norm = dsnorm.RMSNorm(48), dsnorm.RMSNorm(32)
+
+        def forward(self, x, residual):
+            h, residual = self.attn_norm(x, residual)
+            q = self.q_norm(self.wq_a(h))
+            kv = self.kv_norm(self.wkv_a(h)[..., :32])  # 32 of 40 columns, read in place
+            return self.ffn_norm(h, residual) + (q, kv)
+
+    model = Block().to(torch.bfloat16)
+    with torch.no_grad():
+        for norm in (model.attn_norm, model.ffn_norm, model.q_norm, model.kv_norm):
+            norm.weight.copy_(torch.rand(norm.weight.shape, generator=g) + 0.5)
+
+    def inputs(b, t):
+        return tuple(torch.randn(b, t, 96, generator=g).to(torch.bfloat16) for _ in range(2))
+
+    dims = {0: torch.export.Dim("batch", max=64), 1: torch.export.Dim("tokens", max=512)}
+    with torch.no_grad():  # an inference graph records the inference ops, not the training ones
+        ep = torch.export.export(model, inputs(2, 3), dynamic_shapes=(dims, dims))
+        assert "dsnorm.fused_add_rms_norm.default" in ep.graph_module.code
+        path = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "block.pt2"))
+        runner = torch._inductor.aoti_load_package(path)
+        for b, t in ((1, 1), (5, 1), (1, 17)):
+            args = inputs(b, t)
+            got, want = runner(*args), model(*args)
+            assert len(got) == 4 and all(torch.equal(a, e) for a, e in zip(got, want)), (b, t)
 
 
 def test_second_derivatives_are_refused_not_wrong():
