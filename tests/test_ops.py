@@ -179,6 +179,32 @@ def test_import_does_no_device_or_compiler_work():
     assert out.strip() == "[]"
 
 
+def test_kernels_run_where_numba_has_no_cache_directory():
+    # A read-only image run as another user (package directory and ~/.cache unwritable, no
+    # NUMBA_CACHE_DIR): numba finds no cache locator and raised at the first CPU call. Now dsnorm
+    # warns once, names NUMBA_CACHE_DIR, and compiles in memory: same bits. The test takes numba's
+    # locators away, which is what an unwritable file system leaves it with.
+    code = textwrap.dedent("""
+        import warnings
+        from numba.core import caching
+        (getattr(caching, "CacheImpl", None) or caching._CacheImpl)._locator_classes = []
+        import torch, dsnorm
+        from dsnorm.ref import rms_norm_ref
+        x, w = torch.randn(3, 40), torch.rand(40) + 0.5
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            y = dsnorm.rms_norm(x, w)
+            import dsnorm.cpu_fusions  # takes the same answer, no second warning
+        assert torch.equal(y, rms_norm_ref(x, w)), "bits"
+        texts = [str(c.message) for c in caught if "dsnorm" in str(c.message)]
+        assert len(texts) == 1 and "NUMBA_CACHE_DIR" in texts[0], texts
+        print("ok")
+    """)
+    env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_CACHE_DIR", "NUMBA_CACHE_LOCATOR_CLASSES")}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
 # ---------------------------------------------------------------------------------------------
 # Bad input: a clear error naming the argument; nothing modified.
 

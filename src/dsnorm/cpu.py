@@ -72,7 +72,37 @@ SERIAL_NUMEL = 1 << 14
 SUM_LANES = 8
 # Scratch slots per thread beyond the row itself: 4 cascade levels x 4 accumulators x lanes.
 ACC_SLOTS = 4 * 4 * SUM_LANES
-_CACHE = True
+
+
+def _numba_can_cache() -> bool:
+    """Whether numba can cache this file's kernels on disk; warns once when it cannot.
+
+    numba looks for a writable cache directory (``NUMBA_CACHE_DIR``, the package's ``__pycache__``,
+    ``~/.cache/numba``) when a ``cache=True`` kernel is decorated, and raises when there is none (a
+    read-only image run as another user, a service without a home): that would fail every CPU call.
+    Without a cache the kernels are compiled in memory in each process, which costs time, not bits.
+    """
+    try:
+        from numba.core.caching import FunctionCache
+    except ImportError:  # a numba that moved it: its decorator decides, as before this probe
+        return True
+
+    def probe():  # defined here so that numba locates the cache for this file's directory
+        pass
+
+    try:
+        FunctionCache(probe)
+    except RuntimeError as e:
+        warnings.warn(
+            f"dsnorm: numba cannot cache compiled kernels on disk ({e}); each process compiles the "
+            "kernels it uses again (seconds each on first use). Set NUMBA_CACHE_DIR to a writable directory.",
+            RuntimeWarning, stacklevel=2)
+        return False
+    return True
+
+
+# cpu_fusions.py, in this directory, takes the same answer.
+_CACHE = _numba_can_cache()
 
 
 # ---------------------------------------------------------------------------------------------

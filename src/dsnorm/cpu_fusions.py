@@ -33,6 +33,7 @@ from numba.extending import intrinsic
 from dsnorm import cpu
 from dsnorm.ops import PLAIN_TYPES as _PLAIN_TYPES
 from dsnorm.cpu import (
+    _CACHE,
     _EPS_MAX,
     _EPS_MIN,
     _F32,
@@ -56,7 +57,6 @@ from dsnorm.cpu import (
 
 __all__ = ["empty_output", "forward", "rms_norm_fp8", "final_norm_lengths", "mla_latent_norms"]
 
-_CACHE = True
 _ptr_u8 = _pointer_intrinsic(types.uint8, ir.IntType(8))
 _ptr_i64 = _pointer_intrinsic(types.int64, ir.IntType(64))
 
