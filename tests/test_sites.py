@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+import dsnorm
 from dsnorm import cli
 from dsnorm.sites import (
     DEFAULT_CONFIG_NAME,
@@ -217,12 +218,23 @@ def test_cli_markdown_json_site_and_config(tmp_path, capsys):
 
 
 def test_cli_subprocess():
-    env = dict(os.environ)
-    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
-    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
-    p = subprocess.run([sys.executable, "-m", "dsnorm.cli", "sites"], capture_output=True, text=True, env=env, timeout=120)
+    # The installed package (not a source tree put on the path), as `python -m dsnorm` too.
+    p = subprocess.run([sys.executable, "-m", "dsnorm", "sites"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert "= 1,006,592 in 245 instances" in p.stdout
+    p = subprocess.run([sys.executable, "-m", "dsnorm", "--version"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.strip() == f"dsnorm {dsnorm.__version__}", (p.stdout, p.stderr)
+
+
+def test_cli_output_into_a_closed_pipe_stops_quietly():
+    # `dsnorm sites --json - | head -c 10`: the reader closes the pipe after 10 bytes; the command
+    # printed a BrokenPipeError traceback (and another at exit). Now it stops with SIGPIPE's status.
+    proc = subprocess.Popen([sys.executable, "-m", "dsnorm", "sites", "--json", "-"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout.read(10) == b'{\n "config'
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141 and err == "", err
 
 
 HF_SMALL = {

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 COMMANDS = {
@@ -17,8 +18,17 @@ COMMANDS = {
 }
 
 
+DESCRIPTION = ("DeepSeek-V3.2-Exp's RMSNorm, exact to the reference: verify and time it, list the "
+               "model's norm sites, count a checkpoint's norm tensors.")
+# The status of a command killed by SIGPIPE, as a shell reports it (`dsnorm sites --json - | head`).
+EXIT_BROKEN_PIPE = 141
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="dsnorm", description=__doc__.splitlines()[0])
+    from dsnorm import __version__
+
+    parser = argparse.ArgumentParser(prog="dsnorm", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"dsnorm {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     modules = {}
     argv = sys.argv[1:] if argv is None else argv
@@ -29,7 +39,15 @@ def main(argv: list[str] | None = None) -> int:
             modules[name] = importlib.import_module(module_name)
             modules[name].add_arguments(p)
     args = parser.parse_args(argv)
-    return int(modules[args.command].run(args) or 0)
+    try:
+        status = int(modules[args.command].run(args) or 0)
+        sys.stdout.flush()  # a closed reader shows here, not in the interpreter's exit
+    except BrokenPipeError:
+        # The reader went away (`| head`): stop quietly, and point stdout at /dev/null so that the
+        # interpreter's final flush of what is still buffered does not print a second traceback.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+    return status
 
 
 if __name__ == "__main__":
