@@ -263,6 +263,21 @@ def test_nan_inf_propagate_and_zero_rows():
     assert bits_equal(y, y_ref) and bits_equal(res, res_ref)
 
 
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float64])
+def test_every_width_below_and_across_the_narrow_sum_bitwise(dtype):
+    # Rows of 8 to 511 elements (fp64: 4 to 255; fewer than 16 groups of 4 vectors) take the
+    # register form of the cascade (cpu._sumsq_narrow); every remainder of vectors and elements, the
+    # edge at 16 groups and the scalar rows below one vector, plain and fused, with non-finite
+    # values in a row of each width. fp64 is held to the reference computed in fp64.
+    for width in range(1, 530):
+        x, r, w = _data((3, width), dtype, width), _data((3, width), dtype, width + 1), _weight(width, width)
+        x[1, width // 2] = float("nan")
+        r[2, width - 1] = float("inf")
+        assert bits_equal(dsnorm.rms_norm(x, w), rms_norm_ref(x, w)), width
+        (y, res), (y_ref, res_ref) = dsnorm.fused_add_rms_norm(x, r, w), fused_add_rms_norm_ref(x, r, w)
+        assert bits_equal(y, y_ref) and bits_equal(res, res_ref), width
+
+
 def test_nan_rounds_to_reference_bits():
     # f32 -> bf16 rounds to nearest even (ties, the largest finite value) and keeps a NaN a NaN.
     x = torch.tensor([[float("nan"), 1.0, 3.0, 3.3895e38]], dtype=torch.float32)
