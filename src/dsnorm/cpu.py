@@ -31,9 +31,10 @@ Why the kernels look the way they do:
   microseconds per tensor, which matters at decode sizes. bf16 is handled as uint16 bits (numba has
   no bfloat16) and fp16 through LLVM's ``half`` (F16C).
 * Small inputs run a serial kernel: launching on the thread pool costs more than their work.
-* Rows of fewer than 16 groups (fp32 compute: narrower than 512 elements) keep the whole cascade
-  in registers (``_sumsq_narrow``): such a row is one chain of dependent operations, and the
-  accumulators' round trips through scratch memory made it cost ~58 ns at any width up to 128.
+* Rows of at most 16 groups (fp32 compute: narrower than 544 elements, kv_norm's 512 included)
+  keep the whole cascade in registers (``_sumsq_narrow``): such a row is one chain of dependent
+  operations, and the accumulators' round trips through scratch memory made it cost ~58 ns at
+  any width up to 128.
 * dweight is reduced over fixed row blocks whose size depends only on the shape, then the blocks
   are added in block order: the same bits for any thread count.
 """
@@ -472,12 +473,12 @@ def _add32(typingctx, acc, dst, src):
 
 @intrinsic
 def _sumsq_narrow(typingctx, buf, n):
-    """The whole cascade of a row of fewer than 16 groups (no level step) and at least one vector
-    (fp32: ``8 <= n < 512``; fp64: ``4 <= n < 256``), in registers: 4 x lanes chains over the
-    groups, the 0-3 leftover vectors into accumulator 0, then accumulators 1, 2, 3 into 0, then a
-    scalar sum of the tail elements' squares and of the lanes. The same rounded operations in the
-    same order as ``_sum_finish``, without its adds of levels 1-3 (all zero here: adding +0 leaves
-    a sum of squares, never -0, unchanged).
+    """The whole cascade of a row of at most 16 groups (at most one level step) and at least one
+    vector (fp32: ``8 <= n < 544``; fp64: ``4 <= n < 272``), in registers: 4 x lanes chains over
+    the groups, the 0-3 leftover vectors into accumulator 0, then accumulators 1, 2, 3 into 0, then
+    a scalar sum of the tail elements' squares and of the lanes. The same rounded operations in the
+    same order as ``_sum_step`` / ``_sum_finish``, without their adds to and from zeroed levels
+    (adding +0 leaves a sum of squares, never -0, unchanged).
 
     Why: the array form keeps the accumulators in scratch memory, and a narrow row is all latency
     (store, reload, add, one after another): ~58 ns a row at any width up to 128 on this machine.
@@ -676,7 +677,9 @@ def _forward_rows(
     w_size = scratch.itemsize  # the weight is in the compute dtype
     prefetch = n >= _PREFETCH_MIN_WIDTH and (r1 - r0) * n * x_size >= _PREFETCH_MIN_BYTES
     chunk = _PREFETCH_BYTES // x_size  # elements stored between two rounds of prefetches
-    narrow = lanes == lanes_max and groups < (1 << level_power)
+    # Up to one whole level step: with exactly 2**level_power groups the array form's one step moves
+    # level 0 into a zeroed level 1 and back (0 + c is c), the register form's single chain.
+    narrow = lanes == lanes_max and groups <= (1 << level_power)
     for row in range(r0, r1):
         if narrow:
             _load_span(0, n, buf, row, x_addr, x_stride, x_code, res_addr, res_stride, res_code,
