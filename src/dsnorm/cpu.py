@@ -1406,8 +1406,9 @@ def lane(form, x, residual, weight, eps, cast, residual_rounding, residual_dtype
     ``form`` is PLAIN (returns ``y``; residual and its options are ignored), FUSED (``(y,
     residual_out)``) or INPLACE (``(x, residual)``, written; a caller that bypasses the dispatcher
     bumps their version counters, as the dispatcher would). Accepted: plain CPU tensors of one
-    dtype (bf16/fp16/fp32), an fp32 weight, valid options; contiguous rows, or for PLAIN rows
-    with one stride between them (the kv_norm slice). Calls below the serial size go straight to
+    dtype (bf16/fp16/fp32; FUSED also takes a residual of another of them, and
+    ``residual_dtype=torch.float32``), an fp32 weight, valid options; contiguous rows, or outside
+    INPLACE rows of x with one stride between them (the kv_norm slice). Calls below the serial size go straight to
     the decode kernel's entry point, the rest to ``forward``. Nothing is taken while autograd,
     torch.compile, torch.jit tracing, functorch, a dispatch/function mode or the profiler is in
     effect, nor for a tensor with the negative bit (a lazily negated view, ``x.conj().imag``) or a
@@ -1444,7 +1445,7 @@ def lane(form, x, residual, weight, eps, cast, residual_rounding, residual_dtype
             return None
         numel = x.numel()
         contiguous = x.is_contiguous()
-        if numel == 0 or (not contiguous and (form != PLAIN or not rows_viewable(x))):
+        if numel == 0 or (not contiguous and (form == INPLACE or not rows_viewable(x))):
             return None
         x_addr = x.data_ptr()
         w_addr = weight.data_ptr()  # raises for a weight of another layout
@@ -1464,10 +1465,14 @@ def lane(form, x, residual, weight, eps, cast, residual_rounding, residual_dtype
             eps, cast_hf, False,
         )
         return y
-    # The residual: x's dtype and shape, contiguous, on the CPU (an fp32 stream of a narrower x
-    # and every refusal take the general path, which names the problem).
+    # The residual: x's shape, contiguous, on the CPU; x's dtype, or in the out-of-place form any
+    # of the widened ones (an fp32 stream beside a bf16 x). Every refusal takes the general path,
+    # which names the problem.
     tr = type(residual)
-    if (tr is not _TENSOR and tr is not _PARAMETER) or residual.dtype is not dtype:
+    if tr is not _TENSOR and tr is not _PARAMETER:
+        return None
+    r_dtype = residual.dtype
+    if r_dtype is not dtype and (form == INPLACE or r_dtype not in _DECODE_CODES):
         return None
     if grad and residual.requires_grad:
         return None
@@ -1480,19 +1485,24 @@ def lane(form, x, residual, weight, eps, cast, residual_rounding, residual_dtype
     except RuntimeError:
         return None
     round_first = _ROUNDINGS_FIRST.get(residual_rounding) if type(residual_rounding) is str else None
-    if round_first is None or (residual_dtype is not None and (dtype is not _F32 or residual_dtype is not _F32
-                                                               or round_first)):
+    if round_first is None or (residual_dtype is not None and (residual_dtype is not _F32 or round_first)):
         return None
     launch = _decode_entry or _compile_decode() if small else _lane_parallel
     if form == FUSED:
+        out_dtype = dtype if residual_dtype is None else residual_dtype
         if plain_alloc:
-            y = torch.empty_like(x)
-            residual_out = torch.empty_like(x)
+            y = torch.empty_like(x) if contiguous else torch.empty(shape, dtype=dtype)
+            residual_out = torch.empty(shape, dtype=out_dtype)
         else:
             y = empty_output(x, dtype)
-            residual_out = empty_output(x, dtype)
-        launch(numel // n, n, code, x_addr, n, r_addr, w_addr, y.data_ptr(), residual_out.data_ptr(), eps,
-               cast_hf, round_first)
+            residual_out = empty_output(x, out_dtype)
+        if contiguous and r_dtype is dtype and out_dtype is dtype:
+            launch(numel // n, n, code, x_addr, n, r_addr, w_addr, y.data_ptr(), residual_out.data_ptr(), eps,
+                   cast_hf, round_first)
+        else:
+            # Strided rows of x, or dtypes that differ (an fp32 residual stream): the kernels that
+            # take a stride and a dtype per tensor, still ~10 µs short of the general path at decode.
+            forward(x, residual, weight, eps, cast_hf, round_first, y, residual_out, None)
         return y, residual_out
     w_end = w_addr + 4 * n  # the weight is read while x and residual are written: apart from both
     if not ((x_addr + nbytes <= r_addr or r_addr + nbytes <= x_addr) and (w_end <= x_addr or x_addr + nbytes <= w_addr)
