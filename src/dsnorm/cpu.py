@@ -1487,6 +1487,8 @@ def lane(form, x, residual, weight, eps, cast, residual_rounding, residual_dtype
     round_first = _ROUNDINGS_FIRST.get(residual_rounding) if type(residual_rounding) is str else None
     if round_first is None or (residual_dtype is not None and (residual_dtype is not _F32 or round_first)):
         return None
+    if form == INPLACE and residual_dtype is not None and dtype is not _F32:
+        return None  # in place the buffer's dtype decides: the general path names a narrower one
     launch = _decode_entry or _compile_decode() if small else _lane_parallel
     if form == FUSED:
         out_dtype = dtype if residual_dtype is None else residual_dtype
