@@ -8,6 +8,7 @@
 * Ops pass ``torch.library.opcheck``; bad input raises errors naming the argument.
 """
 
+import hashlib
 import math
 
 import numpy as np
@@ -505,3 +506,16 @@ def test_fusions_refuse_compatibility_options_by_name():
         dsnorm.final_norm(x[None], x[None].clone(), w, residual_dtype=torch.float32)
     with pytest.raises(ValueError, match="cast='hf'"):
         dsnorm.mla_latent_norms(x, torch.randn(2, 40).bfloat16(), w, torch.ones(32), cast="hf")
+
+
+def test_fusion_kernels_cache_is_invalidated_with_cpu_py():
+    # Found by review: after a change to cpu.py alone, a warm numba cache gave the fusion kernels
+    # the old _forward_rows (mla_latent_norms no longer equal to rms_norm). Their file must change
+    # with cpu.py, which this digest enforces.
+    from dsnorm import cpu
+
+    with open(cpu.__file__, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()
+    assert cpu_fusions.CPU_SOURCE_SHA256 == digest, (
+        f"cpu.py changed: set cpu_fusions.CPU_SOURCE_SHA256 = {digest!r} so that numba recompiles the "
+        "fusion kernels (their cache is stamped with cpu_fusions.py only)")

@@ -57,6 +57,12 @@ from dsnorm.cpu import (
 
 __all__ = ["empty_output", "forward", "rms_norm_fp8", "final_norm_lengths", "mla_latent_norms"]
 
+# numba stamps a cached kernel with the file that defines it (its time and size), but these kernels
+# compile cpu.py's row functions into themselves: a numba cache kept across a change to cpu.py alone
+# (a persistent NUMBA_CACHE_DIR beside a checkout) ran the old code here. So every change to cpu.py
+# changes this file too: this digest of cpu.py is checked by tests/test_fusions.py.
+CPU_SOURCE_SHA256 = "540d30ae8a4b6649cdac6fa29304d3047f56f3e9d242e4245d36520dc42e40ff"
+
 _ptr_u8 = _pointer_intrinsic(types.uint8, ir.IntType(8))
 _ptr_i64 = _pointer_intrinsic(types.int64, ir.IntType(64))
 
