@@ -268,8 +268,8 @@ def test_every_width_below_and_across_the_narrow_sum_bitwise(dtype):
     # Rows of 8 to 543 elements (fp64: 4 to 271; at most 16 groups of 4 vectors) take the register
     # form of the cascade (cpu._sumsq_narrow); every remainder of vectors and elements, the edge
     # past 16 groups (to 20: at 17 both orders happen to agree) and the scalar rows below one
-    # vector, plain and fused, with non-finite values in a row of each width. fp64 is held to the
-    # reference computed in fp64.
+    # vector, plain and fused, with non-finite values in a row of each width (bits_equal holds a
+    # NaN to being a NaN, not to its payload). fp64 is held to the reference computed in fp64.
     for width in range(1, 641):
         x, r, w = _data((3, width), dtype, width), _data((3, width), dtype, width + 1), _weight(width, width)
         x[1, width // 2] = float("nan")

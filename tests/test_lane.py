@@ -127,6 +127,8 @@ def test_fused_lane_takes_strided_x_and_mixed_residuals(lane_only, dtype, rows):
             y, res = dsnorm.fused_add_rms_norm(x, r, w, **options)
             y_ref, res_ref = fused_add_rms_norm_ref(x, r, w, **options)
             assert y.is_contiguous() and res.is_contiguous() and res.dtype == res_ref.dtype, (r.dtype, options)
+            if x.is_contiguous():  # one row of a slice: x's strides, as the general path's empty_like gives
+                assert y.stride() == res.stride() == x.stride(), (r.dtype, options)
             assert bits_equal(y, y_ref) and bits_equal(res, res_ref), (r.dtype, options)
 
 

@@ -229,12 +229,13 @@ def test_cli_subprocess():
 def test_cli_output_into_a_closed_pipe_stops_quietly():
     # `dsnorm sites --json - | head -c 10`: the reader closes the pipe after 10 bytes; the command
     # printed a BrokenPipeError traceback (and another at exit). Now it stops with SIGPIPE's status.
-    proc = subprocess.Popen([sys.executable, "-m", "dsnorm", "sites", "--json", "-"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    assert proc.stdout.read(10) == b'{\n "config'
-    proc.stdout.close()
-    err = proc.stderr.read().decode()
-    assert proc.wait(timeout=120) == 141 and err == "", err
+    for json_path, first in (("-", b'{\n "config'), ("/dev/stdout", b"DeepSeek-V")):
+        proc = subprocess.Popen([sys.executable, "-m", "dsnorm", "sites", "--json", json_path],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert proc.stdout.read(10) == first
+        proc.stdout.close()
+        err = proc.stderr.read().decode()
+        assert proc.wait(timeout=120) == 141 and err == "", (json_path, err)
 
 
 HF_SMALL = {

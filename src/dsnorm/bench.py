@@ -1651,12 +1651,16 @@ def run(args: argparse.Namespace) -> int:
         else:
             try:
                 write_file(args.json, text + "\n")
+            except BrokenPipeError:  # a reader that left a pipe (/dev/stdout | head): cli.main stops quietly
+                raise
             except OSError as e:
                 print(f"dsnorm bench: error: cannot write --json {args.json}: {e.strerror or e}", file=sys.stderr)
                 return 2
     if args.plot:
         try:
             plot(result, args.plot)
+        except BrokenPipeError:  # a reader that left a pipe (/dev/stdout | head): cli.main stops quietly
+            raise
         except OSError as e:
             print(f"dsnorm bench: error: cannot write --plot {args.plot}: {e.strerror or e}", file=sys.stderr)
             return 2

@@ -1059,6 +1059,8 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             try:
                 write_file(args.json, json.dumps(rep.to_dict(), indent=1) + "\n")
+            except BrokenPipeError:  # a reader that left a pipe (/dev/stdout | head): cli.main stops quietly
+                raise
             except OSError as e:
                 print(f"dsnorm count: error: cannot write {args.json}: {e.strerror or e}", file=sys.stderr)
                 return 2

@@ -478,7 +478,9 @@ def _sumsq_narrow(typingctx, buf, n):
     the groups, the 0-3 leftover vectors into accumulator 0, then accumulators 1, 2, 3 into 0, then
     a scalar sum of the tail elements' squares and of the lanes. The same rounded operations in the
     same order as ``_sum_step`` / ``_sum_finish``, without their adds to and from zeroed levels
-    (adding +0 leaves a sum of squares, never -0, unchanged).
+    (adding +0 leaves a sum of squares, never -0, unchanged): the same bits, but for which NaN's
+    payload survives a row with NaNs of two payloads (LLVM may swap a float add's operands; torch
+    does not promise one either, and its payload was matched more often here than by the array form).
 
     Why: the array form keeps the accumulators in scratch memory, and a narrow row is all latency
     (store, reload, add, one after another): ~58 ns a row at any width up to 128 on this machine.
@@ -1408,8 +1410,9 @@ def lane(form, x, residual, weight, eps, cast, residual_rounding, residual_dtype
     bumps their version counters, as the dispatcher would). Accepted: plain CPU tensors of one
     dtype (bf16/fp16/fp32; FUSED also takes a residual of another of them, and
     ``residual_dtype=torch.float32``), an fp32 weight, valid options; contiguous rows, or outside
-    INPLACE rows of x with one stride between them (the kv_norm slice). Calls below the serial size go straight to
-    the decode kernel's entry point, the rest to ``forward``. Nothing is taken while autograd,
+    INPLACE rows of x with one stride between them (the kv_norm slice). Calls below the serial
+    size go straight to the decode kernel's entry point and larger ones to its threaded form,
+    except FUSED calls with strided x or mixed dtypes, which go to ``forward``. Nothing is taken while autograd,
     torch.compile, torch.jit tracing, functorch, a dispatch/function mode or the profiler is in
     effect, nor for a tensor with the negative bit (a lazily negated view, ``x.conj().imag``) or a
     ZeroTensor (no memory; a slice of one has a made-up nonzero address): the dispatcher resolves
@@ -1493,8 +1496,10 @@ def lane(form, x, residual, weight, eps, cast, residual_rounding, residual_dtype
     if form == FUSED:
         out_dtype = dtype if residual_dtype is None else residual_dtype
         if plain_alloc:
-            y = torch.empty_like(x) if contiguous else torch.empty(shape, dtype=dtype)
-            residual_out = torch.empty(shape, dtype=out_dtype)
+            if contiguous:  # empty_like: the general path's strides, size-1 dimensions' included
+                y, residual_out = torch.empty_like(x), torch.empty_like(x, dtype=out_dtype)
+            else:
+                y, residual_out = torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=out_dtype)
         else:
             y = empty_output(x, dtype)
             residual_out = empty_output(x, out_dtype)

@@ -820,6 +820,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         try:
             write_file(args.json, json.dumps(catalog(cfg), indent=1) + "\n")
+        except BrokenPipeError:  # a reader that left a pipe (/dev/stdout | head): cli.main stops quietly
+            raise
         except OSError as e:
             print(f"dsnorm sites: error: cannot write {args.json}: {e.strerror or e}", file=sys.stderr)
             return 2
