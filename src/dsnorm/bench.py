@@ -83,7 +83,7 @@ import torch
 
 import dsnorm
 from dsnorm.ref import EPS, RMSNormRef, rms_norm_backward_ref
-from dsnorm.sites import output_path_problem, same_file, write_file
+from dsnorm.sites import output_path_problem, same_file, write_output
 
 # DeepSeek-V3.2-Exp widths: hidden size, query latent (q_lora_rank), key-value latent
 # (kv_lora_rank) and the row it is sliced from (kv_lora_rank + qk_rope_head_dim).
@@ -1501,7 +1501,7 @@ def format_table(result: dict, color: bool = False) -> str:
     return "\n".join(lines)
 
 
-def plot(result: dict, path: str) -> None:
+def plot_png(result: dict) -> bytes:
     """A PNG bar chart: GB/s (byte model) of each provider for each case, log scale, with the
     copy bandwidth as a horizontal line."""
     import matplotlib
@@ -1536,7 +1536,7 @@ def plot(result: dict, path: str) -> None:
     png = io.BytesIO()
     fig.savefig(png, format="png", dpi=110)
     plt.close(fig)
-    write_file(path, png.getvalue())  # whole or not at all
+    return png.getvalue()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1649,19 +1649,8 @@ def run(args: argparse.Namespace) -> int:
         if args.json == "-":
             print(text)
         else:
-            try:
-                write_file(args.json, text + "\n")
-            except BrokenPipeError:  # a reader that left a pipe (/dev/stdout | head): cli.main stops quietly
-                raise
-            except OSError as e:
-                print(f"dsnorm bench: error: cannot write --json {args.json}: {e.strerror or e}", file=sys.stderr)
+            if not write_output("bench", f"--json {args.json}", args.json, text + "\n"):
                 return 2
-    if args.plot:
-        try:
-            plot(result, args.plot)
-        except BrokenPipeError:  # a reader that left a pipe (/dev/stdout | head): cli.main stops quietly
-            raise
-        except OSError as e:
-            print(f"dsnorm bench: error: cannot write --plot {args.plot}: {e.strerror or e}", file=sys.stderr)
-            return 2
+    if args.plot and not write_output("bench", f"--plot {args.plot}", args.plot, plot_png(result)):
+        return 2
     return 0 if result["fidelity_ok"] else 1

@@ -39,7 +39,7 @@ from dsnorm.sites import (
     json_path_refused,
     load_config,
     read_json_file,
-    write_file,
+    write_output,
 )
 
 # Real shards of the 671B checkpoint have headers well under 1 MB; this cap (as in the safetensors
@@ -1026,8 +1026,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _inputs(args: argparse.Namespace) -> list:
     """``(option, path)`` of every file ``dsnorm count`` reads: the path named, its shards, the
     index, and the config (given, or the one beside the checkpoint)."""
-    config = config_file(args.config) if args.config is not None else None
-    inputs = [("checkpoint", args.path), ("--config", config), ("built-in config", default_config_path())]
+    inputs = [("checkpoint", args.path), ("--config", config_file(args.config)),
+              ("built-in config", default_config_path())]
     try:
         files = resolve_checkpoint(args.path)
     except (ValueError, OSError):
@@ -1057,11 +1057,6 @@ def run(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(render_report(rep))
         if args.json:
-            try:
-                write_file(args.json, json.dumps(rep.to_dict(), indent=1) + "\n")
-            except BrokenPipeError:  # a reader that left a pipe (/dev/stdout | head): cli.main stops quietly
-                raise
-            except OSError as e:
-                print(f"dsnorm count: error: cannot write {args.json}: {e.strerror or e}", file=sys.stderr)
+            if not write_output("count", args.json, args.json, json.dumps(rep.to_dict(), indent=1) + "\n"):
                 return 2
     return 0 if rep.ok else 1

@@ -246,6 +246,20 @@ def _write_to_std_stream(st: os.stat_result, data: bytes) -> bool:
     return False
 
 
+def write_output(command: str, label: str, path: str, data) -> bool:
+    """:func:`write_file` for ``dsnorm <command>``'s output file: True when written; when it cannot
+    be, say so on stderr, naming ``label``, and return False (the command exits 2). A closed pipe
+    (``--json /dev/stdout | head``) propagates as BrokenPipeError: cli.main stops quietly."""
+    try:
+        write_file(path, data)
+    except BrokenPipeError:
+        raise
+    except OSError as e:
+        print(f"dsnorm {command}: error: cannot write {label}: {e.strerror or e}", file=sys.stderr)
+        return False
+    return True
+
+
 def write_file(path: str, data) -> None:
     """Write ``data`` (str or bytes) to ``path``. A new file, or a regular file of ours with no other
     name, is written whole or not at all: into a temporary file beside it, then renamed over it (a
@@ -316,9 +330,11 @@ def default_config_path() -> str:
     return os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", DEFAULT_CONFIG_NAME)
 
 
-def config_file(path: Union[str, os.PathLike]) -> str:
+def config_file(path: Optional[Union[str, os.PathLike]]) -> Optional[str]:
     """The file a config path names: the path itself, or a model directory's ``config.json`` (the
-    file ``transformers``' ``from_pretrained`` reads from a checkpoint directory)."""
+    file ``transformers``' ``from_pretrained`` reads from a checkpoint directory); None for None."""
+    if path is None:
+        return None
     path = os.fspath(path)
     return os.path.join(path, "config.json") if os.path.isdir(path) else path
 
@@ -803,8 +819,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``dsnorm sites``; returns the exit status (2 on a bad config or site name)."""
-    config = config_file(args.config) if args.config is not None else None
-    if json_path_refused("sites", args.json, [("--config", config), ("built-in config", default_config_path())]):
+    inputs = [("--config", config_file(args.config)), ("built-in config", default_config_path())]
+    if json_path_refused("sites", args.json, inputs):
         return 2
     try:
         cfg = load_config(args.config)
@@ -818,11 +834,6 @@ def run(args: argparse.Namespace) -> int:
         return 0
     sys.stdout.write(text)
     if args.json:
-        try:
-            write_file(args.json, json.dumps(catalog(cfg), indent=1) + "\n")
-        except BrokenPipeError:  # a reader that left a pipe (/dev/stdout | head): cli.main stops quietly
-            raise
-        except OSError as e:
-            print(f"dsnorm sites: error: cannot write {args.json}: {e.strerror or e}", file=sys.stderr)
+        if not write_output("sites", args.json, args.json, json.dumps(catalog(cfg), indent=1) + "\n"):
             return 2
     return 0
