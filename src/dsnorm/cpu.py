@@ -400,6 +400,25 @@ def _ceil_log2(x):
     return bits
 
 
+def _emit_chains(builder, src, count, vec, align):
+    """IR of one level-0 step: four accumulator vectors of type ``vec``, from zero, each taking
+    ``acc + v * v`` (a rounded square, then a rounded add) for its vector of each of ``count``
+    groups of 4 consecutive vectors from the element pointer ``src`` (``align``: the element's
+    alignment). Returns the accumulators' allocas, which LLVM keeps in registers."""
+    from numba.core import cgutils
+
+    lanes = vec.count
+    intp = count.type
+    accs = [cgutils.alloca_once_value(builder, ir.Constant(vec, [0.0] * lanes)) for _ in range(4)]
+    with cgutils.for_range(builder, count) as loop:
+        base = builder.mul(loop.index, ir.Constant(intp, 4 * lanes))
+        for k in range(4):
+            ptr = builder.gep(src, [builder.add(base, ir.Constant(intp, lanes * k))])
+            v = builder.load(builder.bitcast(ptr, vec.as_pointer()), align=align)
+            builder.store(builder.fadd(builder.load(accs[k]), builder.fmul(v, v)), accs[k])
+    return accs
+
+
 @intrinsic
 def _chain32(typingctx, buf, offset, count, out):
     """out[t] = sum over g < count of buf[offset + 32 g + t]^2 for t < 32 (buf, out: contiguous
@@ -419,8 +438,6 @@ def _chain32(typingctx, buf, offset, count, out):
     sig = types.void(buf, types.intp, types.intp, out)
 
     def codegen(context, builder, signature, args):
-        from numba.core import cgutils
-
         buf_arg, offset_arg, count_arg, out_arg = args
         elem = context.get_data_type(signature.args[0].dtype)
         vec = ir.VectorType(elem, 8)
@@ -429,17 +446,9 @@ def _chain32(typingctx, buf, offset, count, out):
         align = signature.args[0].dtype.bitwidth // 8
         src = context.make_array(signature.args[0])(context, builder, buf_arg).data
         dst = context.make_array(signature.args[3])(context, builder, out_arg).data
-        src = builder.gep(src, [offset_arg])
-        intp = offset_arg.type
-        accs = [cgutils.alloca_once_value(builder, ir.Constant(vec, [0.0] * 8)) for _ in range(4)]
-        with cgutils.for_range(builder, count_arg) as loop:
-            base = builder.mul(loop.index, ir.Constant(intp, 32))
-            for k in range(4):
-                ptr = builder.gep(src, [builder.add(base, ir.Constant(intp, 8 * k))])
-                v = builder.load(builder.bitcast(ptr, vec.as_pointer()), align=align)
-                builder.store(builder.fadd(builder.load(accs[k]), builder.fmul(v, v)), accs[k])
+        accs = _emit_chains(builder, builder.gep(src, [offset_arg]), count_arg, vec, align)
         for k in range(4):
-            ptr = builder.gep(dst, [ir.Constant(intp, 8 * k)])
+            ptr = builder.gep(dst, [ir.Constant(offset_arg.type, 8 * k)])
             builder.store(builder.load(accs[k]), builder.bitcast(ptr, vec.as_pointer()), align=align)
         return context.get_dummy_value()
 
@@ -502,20 +511,12 @@ def _sumsq_narrow(typingctx, buf, n):
         nvec = builder.udiv(n_arg, ir.Constant(intp, lanes))
         groups = builder.udiv(nvec, ir.Constant(intp, 4))
         one = ir.Constant(intp, 1)
-
-        def load_vec(index):  # a vector from element ``index`` on; element alignment only
-            ptr = builder.bitcast(builder.gep(src, [index]), vec.as_pointer())
-            return builder.load(ptr, align=signature.args[0].dtype.bitwidth // 8)
-
-        accs = [cgutils.alloca_once_value(builder, ir.Constant(vec, [0.0] * lanes)) for _ in range(4)]
-        with cgutils.for_range(builder, groups) as loop:
-            base = builder.mul(loop.index, ir.Constant(intp, 4 * lanes))
-            for k in range(4):
-                v = load_vec(builder.add(base, ir.Constant(intp, lanes * k)))
-                builder.store(builder.fadd(builder.load(accs[k]), builder.fmul(v, v)), accs[k])
+        align = signature.args[0].dtype.bitwidth // 8  # element alignment only, as in _chain32
+        accs = _emit_chains(builder, src, groups, vec, align)
         leftover = builder.mul(groups, ir.Constant(intp, 4))
         with cgutils.for_range_slice(builder, leftover, nvec, one) as (q, _):
-            v = load_vec(builder.mul(q, ir.Constant(intp, lanes)))
+            ptr = builder.gep(src, [builder.mul(q, ir.Constant(intp, lanes))])
+            v = builder.load(builder.bitcast(ptr, vec.as_pointer()), align=align)
             builder.store(builder.fadd(builder.load(accs[0]), builder.fmul(v, v)), accs[0])
         acc = builder.load(accs[0])
         for k in range(1, 4):
