@@ -533,6 +533,15 @@ def _sumsq_narrow(typingctx, buf, n):
     return sig, codegen
 
 
+# Out of line, called by _forward_rows: inlined there, the register sum made the wide rows' threaded
+# fused calls fault in a fresh 917 KB output now and then ([64, 7168] bf16: 4-5 of 16 processes
+# took 224-page faults in 2-4 of 50 calls, against none before it or with this call; why is not
+# understood). The call costs narrow rows a few percent.
+@njit(nogil=True, cache=_CACHE)
+def _narrow_total(buf, n):
+    return _sumsq_narrow(buf, n)
+
+
 @njit(inline="always")
 def _chain_lanes(buf, offset, count, lanes, out):
     """The same chains for any lane count (fp64's 4, short rows' 1); the rare cases."""
@@ -687,7 +696,7 @@ def _forward_rows(
         if narrow:
             _load_span(0, n, buf, row, x_addr, x_stride, x_code, res_addr, res_stride, res_code,
                        rout_addr, rout_stride, rout_code, round_first, fused_one_dtype)
-            total = _sumsq_narrow(buf, n)
+            total = _narrow_total(buf, n)
         else:
             # Load a level step's elements, then sum them while they are still in L1: one pass
             # over the row instead of a load pass and a sum pass (the order of the sum is unchanged).
