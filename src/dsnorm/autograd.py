@@ -418,7 +418,7 @@ def fused_add_rms_norm(
     cast: str = "deepseek",
     residual_rounding: str = "fp32_sum",
     residual_dtype: Optional[torch.dtype] = None,
-):
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``s = x.float() + residual.float()``; ``y = (weight * (s * rsqrt(mean(s^2) + eps))).to(x.dtype)``.
 
     The norm is taken of the unrounded fp32 sum (DeepSeek's ``RMSNorm.forward(x, residual)``).
@@ -483,7 +483,7 @@ def fused_add_rms_norm_(
     cast: str = "deepseek",
     residual_rounding: str = "fp32_sum",
     residual_dtype: Optional[torch.dtype] = None,
-):
+) -> tuple[torch.Tensor, torch.Tensor]:
     """In place: ``residual <- s = x + residual``; ``x <- weight * s * rsqrt(mean(s^2) + eps)``.
 
     The same values as :func:`fused_add_rms_norm`, written into the inputs (the vLLM / flashinfer

@@ -27,7 +27,7 @@ import re
 import struct
 import sys
 from dataclasses import dataclass, field, replace
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 from dsnorm.sites import (
     HF_SUFFIX,
@@ -41,6 +41,9 @@ from dsnorm.sites import (
     read_json_file,
     write_output,
 )
+
+if TYPE_CHECKING:  # this module imports torch inside the functions that use it
+    from torch import nn
 
 # Real shards of the 671B checkpoint have headers well under 1 MB; this cap (as in the safetensors
 # library) bounds the memory a hostile length can claim.
@@ -127,7 +130,7 @@ def _shape_text(shape: list) -> str:
     return str(shape) if len(shape) <= 8 else f"[{', '.join(map(str, shape[:4]))}, ...] ({len(shape):,} dims)"
 
 
-def read_header(path: Union[str, os.PathLike], max_header_bytes: int = MAX_HEADER_BYTES) -> SafetensorsHeader:
+def read_header(path: Union[str, os.PathLike[str]], max_header_bytes: int = MAX_HEADER_BYTES) -> SafetensorsHeader:
     """Parse and validate the header of a safetensors file without reading any tensor data.
 
     Args:
@@ -277,7 +280,7 @@ def _read_index(index_path: str) -> dict:
     return out
 
 
-def resolve_checkpoint(path: Union[str, os.PathLike]) -> CheckpointFiles:
+def resolve_checkpoint(path: Union[str, os.PathLike[str]]) -> CheckpointFiles:
     """Find the shard files of ``path``: a ``.safetensors`` file, a shard directory or an index JSON.
 
     A directory with one ``*.safetensors.index.json`` is read through that index; otherwise all of its
@@ -428,7 +431,7 @@ class CountReport:
         }
 
 
-def _config_for(files: CheckpointFiles, config: Union[None, str, os.PathLike, ModelConfig]) -> tuple:
+def _config_for(files: CheckpointFiles, config: Union[None, str, os.PathLike[str], ModelConfig]) -> tuple:
     # A config the caller names wins (it may correct the one saved beside the checkpoint, e.g. a
     # save_pretrained directory whose config states MTP layers its weights do not hold); a path
     # that does not load is an error, never skipped.
@@ -472,7 +475,7 @@ def _chosen_copy(infos: list, files: CheckpointFiles, realpath) -> TensorInfo:
     return infos[0]
 
 
-def count_norms(path: Union[str, os.PathLike], config: Union[None, str, os.PathLike, ModelConfig] = None) -> CountReport:
+def count_norms(path: Union[str, os.PathLike[str]], config: Union[None, str, os.PathLike[str], ModelConfig] = None) -> CountReport:
     """Count every norm tensor of a checkpoint from its headers and compare with a config's expectation.
 
     Args:
@@ -692,8 +695,8 @@ class LoadReport:
 
     path: str
     naming: str
-    loaded: list
-    unused: list
+    loaded: list[dict[str, Any]]
+    unused: list[str]
 
     def __str__(self) -> str:
         lines = [f"loaded {len(self.loaded)} norm gain(s) from {self.path} ({self.naming} names)"]
@@ -872,7 +875,7 @@ def _copy_all(plan: list, values: list) -> None:
                                  f"{type(e).__name__}: {e}") from e
 
 
-def load_norms(model, path: Union[str, os.PathLike]) -> LoadReport:
+def load_norms(model: nn.Module, path: Union[str, os.PathLike[str]]) -> LoadReport:
     """Copy every norm gain of a safetensors checkpoint into the ``dsnorm.RMSNorm`` modules of ``model``.
 
     Each ``dsnorm.RMSNorm`` module is matched to its checkpoint tensor by its path, in the reference

@@ -44,8 +44,15 @@ import importlib.abc
 import sys
 import threading
 import warnings
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor.parallel import SequenceParallel as _TorchSequenceParallel
+
+    # Built by the module __getattr__ below on first use: a subclass of torch's style.
+    SequenceParallel: type[_TorchSequenceParallel]
 
 __all__ = ["SequenceParallel", "install", "is_registered", "register"]
 
@@ -415,7 +422,7 @@ def _make_sequence_parallel():
     return SequenceParallel
 
 
-def __getattr__(name):
+def __getattr__(name: str) -> Any:
     # Built on first use: it subclasses torch's style, and importing that module costs ~0.5 s.
     if name == "SequenceParallel":
         register()

@@ -30,7 +30,7 @@ of the quantisation, :func:`act_quant_ref`, is written from the semantics of Dee
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Literal, Optional, overload
 
 import torch
 
@@ -302,6 +302,23 @@ def _refuse_grad(what: str, *tensors) -> None:
         )
 
 
+@overload
+def rms_norm_fp8(
+    x: torch.Tensor, weight: torch.Tensor, eps: float = ..., *, scale_fmt: Optional[str] = ...,
+    block_size: int = ..., return_normed: Literal[False] = ..., cast: str = ...,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+@overload
+def rms_norm_fp8(
+    x: torch.Tensor, weight: torch.Tensor, eps: float = ..., *, scale_fmt: Optional[str] = ...,
+    block_size: int = ..., return_normed: Literal[True], cast: str = ...,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+@overload
+def rms_norm_fp8(
+    x: torch.Tensor, weight: torch.Tensor, eps: float = ..., *, scale_fmt: Optional[str] = ...,
+    block_size: int = ..., return_normed: bool = ..., cast: str = ...,
+) -> tuple[torch.Tensor, ...]: ...
+
+
 def rms_norm_fp8(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -311,7 +328,7 @@ def rms_norm_fp8(
     block_size: int = 128,
     return_normed: bool = False,
     cast: str = "deepseek",
-):
+) -> tuple[torch.Tensor, ...]:
     """``q, s = act_quant(y)`` with ``y = (weight * (x * rsqrt(mean(x^2) + eps))).to(x.dtype)``.
 
     The norm and DeepSeek's per-row fp8 block quantisation of the next Linear's input in one pass:
@@ -347,6 +364,26 @@ def rms_norm_fp8(
     return tuple(out) if return_normed else tuple(out[:2])
 
 
+@overload
+def fused_add_rms_norm_fp8(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = ..., *,
+    scale_fmt: Optional[str] = ..., block_size: int = ..., return_normed: Literal[False] = ..., cast: str = ...,
+    residual_rounding: str = ..., residual_dtype: Optional[torch.dtype] = ...,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+@overload
+def fused_add_rms_norm_fp8(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = ..., *,
+    scale_fmt: Optional[str] = ..., block_size: int = ..., return_normed: Literal[True], cast: str = ...,
+    residual_rounding: str = ..., residual_dtype: Optional[torch.dtype] = ...,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]: ...
+@overload
+def fused_add_rms_norm_fp8(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = ..., *,
+    scale_fmt: Optional[str] = ..., block_size: int = ..., return_normed: bool = ..., cast: str = ...,
+    residual_rounding: str = ..., residual_dtype: Optional[torch.dtype] = ...,
+) -> tuple[torch.Tensor, ...]: ...
+
+
 def fused_add_rms_norm_fp8(
     x: torch.Tensor,
     residual: torch.Tensor,
@@ -359,7 +396,7 @@ def fused_add_rms_norm_fp8(
     cast: str = "deepseek",
     residual_rounding: str = "fp32_sum",
     residual_dtype: Optional[torch.dtype] = None,
-):
+) -> tuple[torch.Tensor, ...]:
     """``s = x.float() + residual.float()``; ``y = (weight * (s * rsqrt(mean(s^2) + eps))).to(x.dtype)``;
     ``q, scales = act_quant(y)``.
 
@@ -403,7 +440,7 @@ def final_norm(
     cast: str = "deepseek",
     residual_rounding: str = "fp32_sum",
     residual_dtype: Optional[torch.dtype] = None,
-):
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``s = h.float() + residual.float()``; ``y = (weight * (s * rsqrt(mean(s^2) + eps))).to(h.dtype)``
     at the last (valid) position of each sequence only.
 
@@ -467,7 +504,7 @@ def mla_latent_norms(
     eps: float = EPS,
     *,
     cast: str = "deepseek",
-):
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``q_norm(q_latent)`` and ``kv_norm(kv_a[..., :r])``, ``r = kv_weight.shape[0]``, each
     ``y = (weight * (x * rsqrt(mean(x^2) + eps))).to(x.dtype)``, in one kernel launch.
 

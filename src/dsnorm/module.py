@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import operator
-from typing import Optional
+from typing import Any, Optional, Union, overload
 
 import torch
 from torch import nn
@@ -46,6 +46,8 @@ class RMSNorm(nn.Module):
     Shapes: ``x`` and ``residual`` ``[..., dim]``; outputs the same shape, ``y`` in ``x.dtype``.
     """
 
+    weight: nn.Parameter
+
     def __init__(
         self,
         dim: int,
@@ -54,8 +56,8 @@ class RMSNorm(nn.Module):
         cast: str = "deepseek",
         residual_rounding: str = "fp32_sum",
         residual_dtype: Optional[torch.dtype] = None,
-        device=None,
-    ):
+        device: Optional[Union[torch.device, str, int]] = None,
+    ) -> None:
         super().__init__()
         try:  # ints and what behaves as one (numpy integers, 0-dim integer tensors), as the reference
             boolean = isinstance(dim, bool) or (isinstance(dim, torch.Tensor) and dim.dtype == torch.bool)
@@ -73,7 +75,18 @@ class RMSNorm(nn.Module):
         self.residual_dtype = residual_dtype
         self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32, device=device))
 
-    def __call__(self, *args, **kwargs):
+    # What forward returns; the implementation's signature is nn.Module's (hooks and tools may
+    # pass anything through). The overloads say what a call returns without hooks that replace it.
+    @overload
+    def __call__(self, x: torch.Tensor, residual: None = None) -> torch.Tensor: ...
+    @overload
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+    @overload
+    def __call__(
+        self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
+    ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]: ...
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # nn.Module.__call__ costs ~0.9 µs before forward starts, and ``self.weight`` another 0.4
         # (a Module.__getattr__ lookup): most of a decode norm. When nothing could make
         # nn.Module.__call__ do more than call this class's own forward (no hooks, local or
@@ -106,12 +119,23 @@ class RMSNorm(nn.Module):
                     return out
         return super().__call__(*args, **kwargs)
 
-    def _lane_takes(self, args) -> bool:
+    def _lane_takes(self, args: tuple[Any, ...]) -> bool:
         """Whether a subclass whose forward differs from this class's still computes this call as
         this class's forward does (then the fast lane may take it): never, unless it says so."""
         return False
 
-    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+    @overload
+    def forward(self, x: torch.Tensor, residual: None = None) -> torch.Tensor: ...
+    @overload
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+    @overload
+    def forward(
+        self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
+    ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]: ...
+
+    def forward(
+        self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
+    ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         if residual is None:
             return rms_norm(x, self.weight, self.eps, cast=self.cast)
         return fused_add_rms_norm(

@@ -31,7 +31,7 @@ import numbers
 import re
 import warnings
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional, Union, overload
 
 import torch
 from torch import nn
@@ -67,7 +67,7 @@ class PatchEntry:
     eps: Optional[float] = None
     dim: Optional[int] = None
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
 
 
@@ -75,10 +75,10 @@ class PatchEntry:
 class PatchReport:
     """Result of :func:`patch`: ``replaced`` and ``left`` entries (:class:`PatchEntry`)."""
 
-    replaced: list = field(default_factory=list)
-    left: list = field(default_factory=list)
+    replaced: list[PatchEntry] = field(default_factory=list)
+    left: list[PatchEntry] = field(default_factory=list)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {"replaced": [e.to_dict() for e in self.replaced], "left": [e.to_dict() for e in self.left]}
 
     def __str__(self) -> str:
@@ -189,13 +189,13 @@ class PromotingHFRMSNorm(RMSNorm):
     key and the other arguments are ``RMSNorm``'s, with ``cast="hf"``.
     """
 
-    gain_dtype = torch.float32  # also for modules pickled before gain_dtype existed (fp32 gains only)
+    gain_dtype: torch.dtype = torch.float32  # also for modules pickled before gain_dtype existed (fp32 gains only)
     # True where the weight is HF's own fp32 Parameter (patch keeps it): the gain is the weight as it
     # is, in whatever dtype it holds, as HF's is; gain_dtype then stays float32 and follows no cast,
     # so a cast that reaches the shared Parameter some other way (another owner) leaves nothing stale.
     gain_is_weight = False
 
-    def __init__(self, dim: int, eps: float = EPS, *, gain_dtype: torch.dtype = torch.float32, **kwargs):
+    def __init__(self, dim: int, eps: float = EPS, *, gain_dtype: torch.dtype = torch.float32, **kwargs: Any) -> None:
         if gain_dtype not in _GAIN_DTYPES:
             raise ValueError(f"gain_dtype must be a floating dtype of {_GAIN_DTYPES}, got {gain_dtype}")
         if kwargs.setdefault("cast", "hf") != "hf":
@@ -221,7 +221,18 @@ class PromotingHFRMSNorm(RMSNorm):
             return False
         return (len(args) == 2 and args[1] is not None) or x.dtype in _UNPROMOTED[gain]
 
-    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+    @overload
+    def forward(self, x: torch.Tensor, residual: None = None) -> torch.Tensor: ...
+    @overload
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+    @overload
+    def forward(
+        self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
+    ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]: ...
+
+    def forward(
+        self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
+    ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         if residual is not None:
             # HF has no fused form: it is RMSNorm's (cast="hf", no promotion), with the same gain.
             weight = self.weight
@@ -404,8 +415,8 @@ def _probe(old: nn.Module, new: RMSNorm, dtypes: list, fused: bool) -> Optional[
                     return f"probe in {dtype}{what}: output differs from dsnorm cast={new.cast!r}"
                 if fused:
                     r = res.to(device=device, dtype=dtype)
-                    a, b = a_mod.forward(x, r), b_mod(x, r)
-                    if not (isinstance(a, tuple) and len(a) == 2 and all(_same(p, q) for p, q in zip(a, b))):
+                    fa, fb = a_mod.forward(x, r), b_mod(x, r)
+                    if not (isinstance(fa, tuple) and len(fa) == 2 and all(_same(p, q) for p, q in zip(fa, fb))):
                         return f"probe in {dtype}{what} with residual: output differs from dsnorm cast={new.cast!r}"
     return None
 

@@ -85,7 +85,7 @@ def fused_add_rms_norm_ref(
     cast: str = "deepseek",
     residual_rounding: str = "fp32_sum",
     residual_dtype: Optional[torch.dtype] = None,
-):
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Eager reference of ``fused_add_rms_norm``: returns ``(y, residual_out)``.
 
     ``s = x + residual`` in the compute dtype; ``"fp32_sum"`` normalises the unrounded ``s``,
@@ -102,7 +102,9 @@ def fused_add_rms_norm_ref(
     return _scale(_normalise(s, eps), weight, x.dtype, cast), s.to(out_dtype)
 
 
-def rms_norm_backward_ref(dy: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, eps: float = EPS):
+def rms_norm_backward_ref(
+    dy: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, eps: float = EPS
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients of ``y = w * s * r``, ``r = (mean(s^2) + eps)^-1/2``, computed by autograd in fp64.
 
     Returns ``(ds, dweight)`` in fp64: the reference the kernels' backward is measured against.
@@ -141,7 +143,9 @@ def _check_quant_args(x: torch.Tensor, block_size, scale_fmt, name: str = "x") -
         )
 
 
-def act_quant_ref(x: torch.Tensor, block_size: int = 128, scale_fmt: Optional[str] = None):
+def act_quant_ref(
+    x: torch.Tensor, block_size: int = 128, scale_fmt: Optional[str] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Eager ``act_quant``: ``s = max(max|x_blk|, 1e-4) * (1/448)`` (ue8m0: ``2^ceil(log2 s)``),
     ``q = clamp(x / s, -448, 448).to(float8_e4m3fn)``, per row in blocks of ``block_size``.
 
@@ -166,13 +170,19 @@ def act_quant_ref(x: torch.Tensor, block_size: int = 128, scale_fmt: Optional[st
     return q.flatten(-2), s
 
 
-def rms_norm_fp8_ref(x, weight, eps=EPS, *, scale_fmt=None, block_size=128):
+def rms_norm_fp8_ref(
+    x: torch.Tensor, weight: torch.Tensor, eps: float = EPS, *, scale_fmt: Optional[str] = None,
+    block_size: int = 128,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``act_quant_ref(rms_norm_ref(x, weight, eps))`` in two eager steps: ``(q, s, y)``."""
     y = rms_norm_ref(x, weight.float(), eps)
     return (*act_quant_ref(y, block_size, scale_fmt), y)
 
 
-def fused_add_rms_norm_fp8_ref(x, residual, weight, eps=EPS, *, scale_fmt=None, block_size=128):
+def fused_add_rms_norm_fp8_ref(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = EPS, *,
+    scale_fmt: Optional[str] = None, block_size: int = 128,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``y, r = fused_add_rms_norm_ref(...)``; ``act_quant_ref(y)``: ``(q, s, r, y)``."""
     y, r = fused_add_rms_norm_ref(x, residual, weight.float(), eps)
     return (*act_quant_ref(y, block_size, scale_fmt), r, y)

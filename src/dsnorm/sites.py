@@ -26,7 +26,7 @@ import os
 import re
 import sys
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional, Union
+from typing import Any, Iterable, Optional, Union, overload
 
 DEFAULT_CONFIG_NAME = "config_671B_v3.2.json"
 # A model config is a few KB; a cap keeps a hostile or mistaken path (a checkpoint shard) from being read whole.
@@ -86,7 +86,7 @@ class ModelConfig:
             return "dense"
         return "moe"
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {f: getattr(self, f) for f in self.__dataclass_fields__}
 
 
@@ -330,7 +330,15 @@ def default_config_path() -> str:
     return os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", DEFAULT_CONFIG_NAME)
 
 
-def config_file(path: Optional[Union[str, os.PathLike]]) -> Optional[str]:
+@overload
+def config_file(path: None) -> None: ...
+@overload
+def config_file(path: Union[str, os.PathLike[str]]) -> str: ...
+@overload
+def config_file(path: Optional[Union[str, os.PathLike[str]]]) -> Optional[str]: ...
+
+
+def config_file(path: Optional[Union[str, os.PathLike[str]]]) -> Optional[str]:
     """The file a config path names: the path itself, or a model directory's ``config.json`` (the
     file ``transformers``' ``from_pretrained`` reads from a checkpoint directory); None for None."""
     if path is None:
@@ -339,7 +347,7 @@ def config_file(path: Optional[Union[str, os.PathLike]]) -> Optional[str]:
     return os.path.join(path, "config.json") if os.path.isdir(path) else path
 
 
-def load_config(path: Optional[Union[str, os.PathLike]] = None) -> ModelConfig:
+def load_config(path: Optional[Union[str, os.PathLike[str]]] = None) -> ModelConfig:
     """Load a model config file (reference or HF names); ``None`` loads the built-in 671B default.
 
     Args:
@@ -385,7 +393,7 @@ class Site:
     norm_type: str
     width: int
     eps: float
-    tensors: tuple
+    tensors: tuple[str, ...]
 
     @property
     def params(self) -> int:
@@ -393,11 +401,11 @@ class Site:
         return self.width * len(self.tensors)
 
     @property
-    def shape(self) -> list:
+    def shape(self) -> list[Union[str, int]]:
         """Input and output shape of ``x``/``y`` (and of the residual in the fused form): ``[B, T, width]``."""
         return ["B", "T", self.width]
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {
             "key": self.key, "group": self.group, "layer": self.layer, "ref_path": self.ref_path,
             "hf_path": self.hf_path, "block": self.block, "form": self.form, "norm_type": self.norm_type,
@@ -421,7 +429,7 @@ MTP_OWN = ("enorm", "hnorm", "shared_head.norm")
 MAIN_RMS_KEYS = ("attn_norm", "ffn_norm", "q_norm", "kv_norm", "norm")
 
 
-def _block_sites(cfg: ModelConfig, layer: int, group: str) -> list:
+def _block_sites(cfg: ModelConfig, layer: int, group: str) -> list[Site]:
     kind = cfg.block_kind(layer)
     prefix = "" if group == "main" else "mtp."
     first = layer == 0 if group == "main" else True
@@ -445,7 +453,7 @@ def _block_sites(cfg: ModelConfig, layer: int, group: str) -> list:
     return out
 
 
-def enumerate_sites(cfg: ModelConfig, *, mtp: bool = True) -> list:
+def enumerate_sites(cfg: ModelConfig, *, mtp: bool = True) -> list[Site]:
     """Every norm instance of the model described by ``cfg``, in forward order.
 
     Args:
@@ -502,7 +510,7 @@ class SiteSummary:
             return f"fused ({self.plain} plain)"
         return "fused" if self.fused else "plain"
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {
             "key": self.key, "group": self.group, "norm_type": self.norm_type, "ref_path": self.ref_path,
             "hf_path": self.hf_path, "width": self.width, "params_per_instance": self.per_instance,
@@ -518,7 +526,7 @@ def _pattern(path: Optional[str], layer: Optional[int]) -> Optional[str]:
     return re.sub(rf"\blayers\.{layer}\b", "layers.{i}", path, count=1)
 
 
-def summarise(sites: Iterable[Site]) -> list:
+def summarise(sites: Iterable[Site]) -> list[SiteSummary]:
     """Group ``sites`` by key (first-seen order) into :class:`SiteSummary` rows."""
     rows: dict = {}
     for s in sites:
@@ -543,7 +551,7 @@ def summarise(sites: Iterable[Site]) -> list:
     return [SiteSummary(**r) for r in rows.values()]
 
 
-def totals(cfg: ModelConfig, sites: Optional[list] = None) -> dict:
+def totals(cfg: ModelConfig, sites: Optional[list[Site]] = None) -> dict[str, Any]:
     """Main-model RMSNorm totals: instances, parameters and the formula they follow.
 
     ``params = n_layers * (sum of the per-block RMSNorm widths) + dim`` (the final norm); the indexer
@@ -571,7 +579,7 @@ def totals(cfg: ModelConfig, sites: Optional[list] = None) -> dict:
     }
 
 
-def catalog(cfg: ModelConfig) -> dict:
+def catalog(cfg: ModelConfig) -> dict[str, Any]:
     """The whole catalogue as plain data: config, every instance, per-site rows and totals (JSON-ready)."""
     sites = enumerate_sites(cfg)
     return {
