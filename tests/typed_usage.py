@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any, Optional, Union
 
+import numpy as np
 import torch
 from torch import nn
 from typing_extensions import assert_type
@@ -18,9 +19,15 @@ import dsnorm
 import dsnorm.distributed
 from dsnorm import sites
 from dsnorm.checkpoint import LoadReport
-from dsnorm.patching import PatchEntry, PatchReport
+from dsnorm.patching import PatchEntry, PatchReport, PromotingHFRMSNorm
 
 Pair = tuple[torch.Tensor, torch.Tensor]
+
+
+class Widened(dsnorm.RMSNorm):
+    # A subclass overriding forward with the base's signature and return type is accepted as is.
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> Union[torch.Tensor, Pair]:
+        return super().forward(x.float(), residual)
 
 
 class Block(nn.Module):
@@ -28,6 +35,7 @@ class Block(nn.Module):
         super().__init__()
         self.attn_norm = dsnorm.RMSNorm(dim)
         self.ffn_norm = dsnorm.RMSNorm(dim, 1e-6, cast="hf", residual_dtype=torch.float32, device="cpu")
+        self.from_config = dsnorm.RMSNorm(np.int64(dim))  # what operator.index takes, as the reference
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor]) -> Pair:
         if residual is None:
@@ -60,7 +68,7 @@ def module(norm: dsnorm.RMSNorm, x: torch.Tensor, r: torch.Tensor, maybe_r: Opti
     assert_type(norm(x), torch.Tensor)
     assert_type(norm(x, r), Pair)
     assert_type(norm(x, maybe_r), Union[torch.Tensor, Pair])
-    assert_type(norm.forward(x, r), Pair)
+    assert_type(norm.forward(x, r), Union[torch.Tensor, Pair])
     assert_type(norm.weight, nn.Parameter)
     y: torch.Tensor = norm(x, r)  # type: ignore[assignment]
     dsnorm.RMSNorm(64, device=torch.float32)  # type: ignore[arg-type]
@@ -81,9 +89,16 @@ def catalog(path: str) -> None:
     assert_type(sites.summarise(sites.enumerate_sites(cfg)), list[sites.SiteSummary])
     assert_type(sites.catalog(cfg), dict[str, Any])
     assert_type(sites.config_file(path), str)
+    assert_type(sites.config_file(None), None)
+    assert_type(sites.totals(cfg, tuple(sites.enumerate_sites(cfg))), dict[str, Any])
 
 
 def tensor_parallel() -> None:
     from torch.distributed.tensor.parallel import SequenceParallel
 
     assert_type(dsnorm.distributed.SequenceParallel, type[SequenceParallel])
+
+
+def phf(n: PromotingHFRMSNorm) -> None:
+    assert_type(n.gain_dtype, torch.dtype)
+    assert_type(n.weight, nn.Parameter)

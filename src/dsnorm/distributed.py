@@ -422,11 +422,13 @@ def _make_sequence_parallel():
     return SequenceParallel
 
 
-def __getattr__(name: str) -> Any:
-    # Built on first use: it subclasses torch's style, and importing that module costs ~0.5 s.
-    if name == "SequenceParallel":
-        register()
-        cls = _make_sequence_parallel()
-        globals()["SequenceParallel"] = cls
-        return cls
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+if not TYPE_CHECKING:  # type checkers see the SequenceParallel declared above, and no other name
+
+    def __getattr__(name: str) -> Any:
+        # Built on first use: it subclasses torch's style, and importing that module costs ~0.5 s.
+        if name == "SequenceParallel":
+            register()
+            cls = _make_sequence_parallel()
+            globals()["SequenceParallel"] = cls
+            return cls
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

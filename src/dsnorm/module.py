@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import operator
-from typing import Any, Optional, Union, overload
+from typing import Any, Optional, SupportsIndex, Union, overload
 
 import torch
 from torch import nn
@@ -46,11 +46,9 @@ class RMSNorm(nn.Module):
     Shapes: ``x`` and ``residual`` ``[..., dim]``; outputs the same shape, ``y`` in ``x.dtype``.
     """
 
-    weight: nn.Parameter
-
     def __init__(
         self,
-        dim: int,
+        dim: SupportsIndex,
         eps: float = EPS,
         *,
         cast: str = "deepseek",
@@ -66,14 +64,13 @@ class RMSNorm(nn.Module):
             width = None
         if width is None or width < 1:
             raise ValueError(f"dim must be an int >= 1, got {dim!r}")
-        dim = width
         check_options(eps, cast, residual_rounding, residual_dtype)
-        self.dim = dim
+        self.dim = width
         self.eps = eps
         self.cast = cast
         self.residual_rounding = residual_rounding
         self.residual_dtype = residual_dtype
-        self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32, device=device))
+        self.weight = nn.Parameter(torch.ones(width, dtype=torch.float32, device=device))
 
     # What forward returns; the implementation's signature is nn.Module's (hooks and tools may
     # pass anything through). The overloads say what a call returns without hooks that replace it.
@@ -123,15 +120,6 @@ class RMSNorm(nn.Module):
         """Whether a subclass whose forward differs from this class's still computes this call as
         this class's forward does (then the fast lane may take it): never, unless it says so."""
         return False
-
-    @overload
-    def forward(self, x: torch.Tensor, residual: None = None) -> torch.Tensor: ...
-    @overload
-    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
-    @overload
-    def forward(
-        self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
-    ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]: ...
 
     def forward(
         self, x: torch.Tensor, residual: Optional[torch.Tensor] = None

@@ -31,7 +31,7 @@ import numbers
 import re
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union, overload
+from typing import Any, Optional, Union
 
 import torch
 from torch import nn
@@ -189,7 +189,7 @@ class PromotingHFRMSNorm(RMSNorm):
     key and the other arguments are ``RMSNorm``'s, with ``cast="hf"``.
     """
 
-    gain_dtype: torch.dtype = torch.float32  # also for modules pickled before gain_dtype existed (fp32 gains only)
+    gain_dtype = torch.float32  # also for modules pickled before gain_dtype existed (fp32 gains only)
     # True where the weight is HF's own fp32 Parameter (patch keeps it): the gain is the weight as it
     # is, in whatever dtype it holds, as HF's is; gain_dtype then stays float32 and follows no cast,
     # so a cast that reaches the shared Parameter some other way (another owner) leaves nothing stale.
@@ -201,7 +201,7 @@ class PromotingHFRMSNorm(RMSNorm):
         if kwargs.setdefault("cast", "hf") != "hf":
             raise ValueError(f"cast must be 'hf' for PromotingHFRMSNorm (HF's order), got {kwargs['cast']!r}")
         super().__init__(dim, eps, **kwargs)
-        self.gain_dtype = gain_dtype
+        self.gain_dtype: torch.dtype = gain_dtype
 
     def _gain_dtype(self) -> torch.dtype:
         """The dtype HF's gain would have here (see the class docstring)."""
@@ -220,15 +220,6 @@ class PromotingHFRMSNorm(RMSNorm):
         if x.dtype is not gain and weight.dtype is not gain:
             return False
         return (len(args) == 2 and args[1] is not None) or x.dtype in _UNPROMOTED[gain]
-
-    @overload
-    def forward(self, x: torch.Tensor, residual: None = None) -> torch.Tensor: ...
-    @overload
-    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
-    @overload
-    def forward(
-        self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
-    ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]: ...
 
     def forward(
         self, x: torch.Tensor, residual: Optional[torch.Tensor] = None

@@ -26,7 +26,7 @@ import os
 import re
 import sys
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional, Union, overload
+from typing import Any, Iterable, Optional, Sequence, Union, overload
 
 DEFAULT_CONFIG_NAME = "config_671B_v3.2.json"
 # A model config is a few KB; a cap keeps a hostile or mistaken path (a checkpoint shard) from being read whole.
@@ -551,7 +551,7 @@ def summarise(sites: Iterable[Site]) -> list[SiteSummary]:
     return [SiteSummary(**r) for r in rows.values()]
 
 
-def totals(cfg: ModelConfig, sites: Optional[list[Site]] = None) -> dict[str, Any]:
+def totals(cfg: ModelConfig, sites: Optional[Sequence[Site]] = None) -> dict[str, Any]:
     """Main-model RMSNorm totals: instances, parameters and the formula they follow.
 
     ``params = n_layers * (sum of the per-block RMSNorm widths) + dim`` (the final norm); the indexer
