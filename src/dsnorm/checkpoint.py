@@ -29,6 +29,8 @@ import sys
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional, Union
 
+from torch import nn  # loaded already (dsnorm/__init__ imports torch); load_norms' annotation names it
+
 from dsnorm.sites import (
     HF_SUFFIX,
     REF_SUFFIX,
@@ -41,8 +43,6 @@ from dsnorm.sites import (
     read_json_file,
     write_output,
 )
-
-from torch import nn  # torch is loaded already (dsnorm/__init__ imports it); a runtime name for load_norms' annotation
 
 # Real shards of the 671B checkpoint have headers well under 1 MB; this cap (as in the safetensors
 # library) bounds the memory a hostile length can claim.
