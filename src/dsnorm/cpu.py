@@ -400,6 +400,12 @@ def _ceil_log2(x):
     return bits
 
 
+def _load_vec(builder, src, index, vec, align):
+    """IR: the vector of type ``vec`` at element ``index`` of the element pointer ``src``
+    (``align``: the element's alignment, all that is known of a row in the scratch)."""
+    return builder.load(builder.bitcast(builder.gep(src, [index]), vec.as_pointer()), align=align)
+
+
 def _emit_chains(builder, src, count, vec, align):
     """IR of one level-0 step: four accumulator vectors of type ``vec``, from zero, each taking
     ``acc + v * v`` (a rounded square, then a rounded add) for its vector of each of ``count``
@@ -413,8 +419,7 @@ def _emit_chains(builder, src, count, vec, align):
     with cgutils.for_range(builder, count) as loop:
         base = builder.mul(loop.index, ir.Constant(intp, 4 * lanes))
         for k in range(4):
-            ptr = builder.gep(src, [builder.add(base, ir.Constant(intp, lanes * k))])
-            v = builder.load(builder.bitcast(ptr, vec.as_pointer()), align=align)
+            v = _load_vec(builder, src, builder.add(base, ir.Constant(intp, lanes * k)), vec, align)
             builder.store(builder.fadd(builder.load(accs[k]), builder.fmul(v, v)), accs[k])
     return accs
 
@@ -515,8 +520,7 @@ def _sumsq_narrow(typingctx, buf, n):
         accs = _emit_chains(builder, src, groups, vec, align)
         leftover = builder.mul(groups, ir.Constant(intp, 4))
         with cgutils.for_range_slice(builder, leftover, nvec, one) as (q, _):
-            ptr = builder.gep(src, [builder.mul(q, ir.Constant(intp, lanes))])
-            v = builder.load(builder.bitcast(ptr, vec.as_pointer()), align=align)
+            v = _load_vec(builder, src, builder.mul(q, ir.Constant(intp, lanes)), vec, align)
             builder.store(builder.fadd(builder.load(accs[0]), builder.fmul(v, v)), accs[0])
         acc = builder.load(accs[0])
         for k in range(1, 4):
