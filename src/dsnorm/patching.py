@@ -31,7 +31,7 @@ import numbers
 import re
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, Optional, SupportsIndex, Union
 
 import torch
 from torch import nn
@@ -195,7 +195,9 @@ class PromotingHFRMSNorm(RMSNorm):
     # so a cast that reaches the shared Parameter some other way (another owner) leaves nothing stale.
     gain_is_weight = False
 
-    def __init__(self, dim: int, eps: float = EPS, *, gain_dtype: torch.dtype = torch.float32, **kwargs: Any) -> None:
+    def __init__(
+        self, dim: SupportsIndex, eps: float = EPS, *, gain_dtype: torch.dtype = torch.float32, **kwargs: Any
+    ) -> None:
         if gain_dtype not in _GAIN_DTYPES:
             raise ValueError(f"gain_dtype must be a floating dtype of {_GAIN_DTYPES}, got {gain_dtype}")
         if kwargs.setdefault("cast", "hf") != "hf":
