@@ -392,6 +392,37 @@ def test_rows_from_dram_prefetching_path(dtype, threads):
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_in_place_rows_from_l3_prefetching_path(dtype, threads):
+    # In place, rows of at least cpu._PREFETCH_IN_PLACE_MIN_WIDTH elements prefetch from a thread's
+    # share of x of _PREFETCH_IN_PLACE_MIN_BYTES on, below _PREFETCH_MIN_BYTES: the chunked store
+    # pass at a width that is a whole number of chunks and at one that ends in a partial chunk, the
+    # fp32 residual stream too. Through the launcher, which always runs the row kernel (the no-grad
+    # lane sends one-thread calls to the decode kernel instead).
+    from dsnorm import cpu
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for n in (cpu._PREFETCH_IN_PLACE_MIN_WIDTH, 5125, 7168):
+            rows = -(-cpu._PREFETCH_IN_PLACE_MIN_BYTES * threads // (n * dtype.itemsize)) + 2
+            assert (rows // threads) * n * dtype.itemsize < cpu._PREFETCH_MIN_BYTES
+            x, r, w = _data((rows, n), dtype, 40), _data((rows, n), dtype, 41), _weight(n)
+            for cast, rounding in (("deepseek", "fp32_sum"), ("hf", "round_first")):
+                y_ref, res_ref = fused_add_rms_norm_ref(x, r, w, cast=cast, residual_rounding=rounding)
+                xi, ri = x.clone(), r.clone()
+                cpu.forward(xi, ri, w, 1e-6, cast == "hf", rounding == "round_first", xi, ri, None)
+                assert bits_equal(xi, y_ref) and bits_equal(ri, res_ref)
+            r32 = r.float()
+            y_ref, res_ref = fused_add_rms_norm_ref(x, r32, w, residual_dtype=torch.float32)
+            xi = x.clone()
+            cpu.forward(xi, r32, w, 1e-6, False, False, xi, r32, None)
+            assert bits_equal(xi, y_ref) and bits_equal(r32, res_ref)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_large_outputs_start_on_a_huge_page():
     # Outputs of 4 MiB or more begin on a 2 MiB boundary (so every page of them can be a huge
     # page) and are otherwise ordinary fresh tensors: not views, contiguous, their own storage.
