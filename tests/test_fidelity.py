@@ -398,8 +398,8 @@ def test_in_place_rows_from_l3_prefetching_path(dtype, threads):
     # In place, rows of at least cpu._PREFETCH_IN_PLACE_MIN_WIDTH elements prefetch from a thread's
     # share of x of _PREFETCH_IN_PLACE_MIN_BYTES on, below _PREFETCH_MIN_BYTES: the chunked store
     # pass at a width that is a whole number of chunks and at one that ends in a partial chunk, the
-    # fp32 residual stream too. Through the launcher, which always runs the row kernel (the no-grad
-    # lane sends one-thread calls to the decode kernel instead).
+    # fp32 residual stream too. Through the launcher, as the public in-place function's general path
+    # calls it.
     from dsnorm import cpu
 
     before = torch.get_num_threads()

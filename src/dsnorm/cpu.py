@@ -356,13 +356,14 @@ def _store_scaled_row(addr, offset, code, buf, w_addr, rstd, n, cast_hf):
 # 256-byte chunks (128: 3.7, 512 at two rows ahead: 3.7; 1-2 KiB chunks made it slower than none:
 # 5.7-5.9 ms). It pays only for rows that come from DRAM: rows of at
 # least _PREFETCH_MIN_WIDTH elements (at 512 it cost 3-5%) and a thread's share of x of at least
-# _PREFETCH_MIN_BYTES (at [256, 7168], in L3, it cost ~10%). In place (x and residual each read
-# and written back) it pays from L3 too, for rows of at least
+# _PREFETCH_MIN_BYTES (at [256, 7168], in L3, it cost ~10%). In place (the sum written over the
+# residual and y over x) it pays from L3 too, for rows of at least
 # _PREFETCH_IN_PLACE_MIN_WIDTH elements once a thread's share of x passes its 2 MiB L2: both
 # kernels in one process on the same tensors, bf16 on 2 threads, warm, [768, 7168] 17-22% faster,
 # [1024-1536, 4096] 12-27%, cold [512-1024, 7168] 16-19%, fp32 [192-512, 7168] 1.3-1.7x; below
-# that share, [128-256, 7168], it lost 1-17%. Plain calls showed no steady gain below
-# _PREFETCH_MIN_BYTES (between -20% and +10% by process).
+# that share, [128-256, 7168], it lost 1-17%; on 1 thread, [512, 7168] 11-22% faster, [256, 7168]
+# and [512, 4096] within +-6%. Plain calls showed no steady gain below _PREFETCH_MIN_BYTES
+# (between -20% and +10% by process), nor did fused ones out of place.
 _PREFETCH_BYTES = 256
 _PREFETCH_MIN_WIDTH = 1024
 _PREFETCH_MIN_BYTES = 8 << 20

@@ -61,7 +61,7 @@ __all__ = ["empty_output", "forward", "rms_norm_fp8", "final_norm_lengths", "mla
 # compile cpu.py's row functions into themselves: a numba cache kept across a change to cpu.py alone
 # (a persistent NUMBA_CACHE_DIR beside a checkout) ran the old code here. So every change to cpu.py
 # changes this file too: this digest of cpu.py is checked by tests/test_fusions.py.
-CPU_SOURCE_SHA256 = "e6ab78254656cedb2705d41bf151125cef4123caec6916a62ee5f5f2aa3d0153"
+CPU_SOURCE_SHA256 = "8a9868447f6dbb63b4dbae3342e91212728dfd14dc11c8fc100122e43543bb4e"
 
 _ptr_u8 = _pointer_intrinsic(types.uint8, ir.IntType(8))
 _ptr_i64 = _pointer_intrinsic(types.int64, ir.IntType(64))
