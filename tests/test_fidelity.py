@@ -407,7 +407,11 @@ def test_in_place_rows_from_l3_prefetching_path(dtype, threads):
     try:
         for n in (cpu._PREFETCH_IN_PLACE_MIN_WIDTH, 5125, 7168):
             rows = -(-cpu._PREFETCH_IN_PLACE_MIN_BYTES * threads // (n * dtype.itemsize)) + 2
-            assert (rows // threads) * n * dtype.itemsize < cpu._PREFETCH_MIN_BYTES
+            # Every thread's share (rows * t // threads onward) is in the new range: the smallest
+            # reaches the in-place threshold, the largest stays below the general one.
+            row_bytes = n * dtype.itemsize
+            assert (rows // threads) * row_bytes >= cpu._PREFETCH_IN_PLACE_MIN_BYTES
+            assert -(-rows // threads) * row_bytes < cpu._PREFETCH_MIN_BYTES
             x, r, w = _data((rows, n), dtype, 40), _data((rows, n), dtype, 41), _weight(n)
             for cast, rounding in (("deepseek", "fp32_sum"), ("hf", "round_first")):
                 y_ref, res_ref = fused_add_rms_norm_ref(x, r, w, cast=cast, residual_rounding=rounding)
