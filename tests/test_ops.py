@@ -207,6 +207,54 @@ def test_kernels_run_where_numba_has_no_cache_directory():
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
 
 
+def test_every_cached_kernel_saves_under_the_lock():
+    # numba names a new signature's cache file from the index it read, with no lock between
+    # processes (cpu._kernel): every cached kernel of both kernel files saves through the lock.
+    from numba.core.caching import FunctionCache
+    from numba.core.registry import CPUDispatcher
+
+    if not cpu._CACHE or cpu._fcntl is None:
+        pytest.skip("numba cannot cache here, or there is no fcntl: saves are numba's own")
+    cached = {id(obj): (name, obj) for module in (cpu, cpu_fusions) for name, obj in vars(module).items()
+              if isinstance(obj, CPUDispatcher) and isinstance(obj._cache, FunctionCache)}
+    assert len(cached) >= 20, sorted(name for name, _ in cached.values())
+    for name, kernel in cached.values():
+        assert kernel._cache._cache_file.save.__qualname__ == "_locked_save.<locals>.locked_save", name
+
+
+def test_a_kernel_cache_save_waits_for_the_lock(tmp_path):
+    # While another holder has the lock beside a kernel's cache index, a compiled signature is in
+    # the dispatcher but not on disk; once the lock is let go the save completes.
+    import fcntl
+    import importlib
+    import time
+
+    if not cpu._CACHE:
+        pytest.skip("numba cannot cache here")
+    (tmp_path / "dsnorm_locked_save_probe.py").write_text(
+        "from dsnorm.cpu import _kernel\n\n\n@_kernel()\ndef twice(a):\n    return 2 * a\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        probe = importlib.import_module("dsnorm_locked_save_probe")
+    finally:
+        sys.path.remove(str(tmp_path))
+    cache_file = probe.twice._cache._cache_file
+    probe.twice._cache._impl.locator.ensure_cache_path()
+    results = []
+    worker = threading.Thread(target=lambda: results.append(probe.twice(21)))
+    with open(cache_file._index_path + ".lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        worker.start()
+        deadline = time.monotonic() + 120
+        while not probe.twice.overloads and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert probe.twice.overloads, "the probe kernel did not compile"
+        time.sleep(0.5)  # an unlocked save takes milliseconds
+        assert worker.is_alive() and not os.path.exists(cache_file._index_path)
+    worker.join(60)
+    assert results == [42] and os.path.exists(cache_file._index_path)
+
+
 # ---------------------------------------------------------------------------------------------
 # Bad input: a clear error naming the argument; nothing modified.
 

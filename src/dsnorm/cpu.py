@@ -45,6 +45,11 @@ import os
 import threading
 import warnings
 
+try:
+    import fcntl as _fcntl
+except ImportError:  # Windows: numba's own, unlocked cache saves
+    _fcntl = None
+
 import numba
 import numpy as np
 import torch
@@ -107,6 +112,43 @@ def _numba_can_cache() -> bool:
 
 # cpu_fusions.py, in this directory, takes the same answer.
 _CACHE = _numba_can_cache()
+
+
+def _kernel(**options):
+    """``njit(nogil=True, cache=_CACHE, **options)``, the kernel's cache saves taken one at a time.
+
+    numba (0.68, ``caching.IndexDataCacheFile.save``) names a new signature's data file from the
+    index it has just read, then writes the index and the data file, with no lock between processes:
+    two of them saving two signatures of one kernel at once (its f32 and f64 scratch forms, say: two
+    pytest-xdist workers, or ranks on different dtypes) can both take ``<kernel>.1.nbc``, and the
+    index can be left sending one signature to the other's machine code, which every later process
+    would load and run on the wrong types. An exclusive ``flock`` on a file beside the index, held
+    for the whole save, puts the saves in order. Loads need none: numba replaces each file
+    atomically, and a data file the index names before it is written reads as a miss (a compile).
+    Where the lock cannot be had (no ``fcntl``, a file system without locks) the save is numba's own.
+    """
+    def decorate(py_func):
+        dispatcher = njit(nogil=True, cache=_CACHE, **options)(py_func)
+        cache_file = getattr(getattr(dispatcher, "_cache", None), "_cache_file", None)
+        if cache_file is not None and _fcntl is not None:
+            cache_file.save = _locked_save(cache_file.save, cache_file._index_path + ".lock")
+        return dispatcher
+    return decorate
+
+
+def _locked_save(unlocked_save, lock_path):
+    def locked_save(key, data):
+        try:
+            lock = open(lock_path, "a")  # "a": created if missing, never truncated
+        except OSError:
+            return unlocked_save(key, data)
+        with lock:  # closing it releases the lock
+            try:
+                _fcntl.flock(lock, _fcntl.LOCK_EX)
+            except OSError:
+                pass
+            return unlocked_save(key, data)
+    return locked_save
 
 
 # ---------------------------------------------------------------------------------------------
@@ -550,7 +592,7 @@ def _sumsq_narrow(typingctx, buf, n):
 # fused calls fault in a fresh 917 KB output now and then ([64, 7168] bf16: 4-5 of 16 processes
 # took 224-page faults in 2-4 of 50 calls, against none before it or with this call; why is not
 # understood). The call costs narrow rows a few percent.
-@njit(nogil=True, cache=_CACHE)
+@_kernel()
 def _narrow_total(buf, n):
     return _sumsq_narrow(buf, n)
 
@@ -669,7 +711,7 @@ def _load_span(
 # Not inlined: numba's parfor pass analyses what it inlines into a prange body and dropped the
 # rstd store made through a raw pointer there (a wrong result, found by the tests). A call is
 # opaque to it, and costs one call per thread.
-@njit(nogil=True, cache=_CACHE)
+@_kernel()
 def _forward_rows(
     r0, r1, n, scratch,
     x_addr, x_stride, x_code,
@@ -754,7 +796,7 @@ def _forward_rows(
             _store_scaled_row(y_addr, row * y_stride, x_code, buf, w_addr, rstd, n, cast_hf)
 
 
-@njit(nogil=True, cache=_CACHE)
+@_kernel()
 def _forward_serial32(
     rows, n,
     x_addr, x_stride, x_code, res_addr, res_stride, res_code, w_addr, y_addr, y_stride,
@@ -768,7 +810,7 @@ def _forward_serial32(
     )
 
 
-@njit(nogil=True, cache=_CACHE)
+@_kernel()
 def _forward_serial64(
     rows, n,
     x_addr, x_stride, x_code, res_addr, res_stride, res_code, w_addr, y_addr, y_stride,
@@ -796,7 +838,7 @@ def _stack_f32(typingctx, count):
     return types.CPointer(types.float32)(types.intp), codegen
 
 
-@njit(nogil=True, cache=_CACHE)
+@_kernel()
 def _decode32(rows, n, code, x_addr, x_stride, res_addr, w_addr, y_addr, rout_addr, eps, cast_hf, round_first):
     # Rows of one dtype, all contiguous but x's: the serial kernel with a third of the arguments
     # (each one costs the call ~25 ns to unbox, about a tenth of a [1, 1536] norm). The scratch
@@ -814,7 +856,7 @@ def _decode32(rows, n, code, x_addr, x_stride, res_addr, w_addr, y_addr, rout_ad
     )
 
 
-@njit(nogil=True, cache=_CACHE, parallel=True)
+@_kernel(parallel=True)
 def _forward_parallel(
     rows, n, scratch,
     x_addr, x_stride, x_code, res_addr, res_stride, res_code, w_addr, y_addr, y_stride,
@@ -850,7 +892,7 @@ def _dot(a, b, n, zero):
     return ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7))
 
 
-@njit(nogil=True, cache=_CACHE)  # not inlined, for the same reason as _forward_rows
+@_kernel()  # not inlined, for the same reason as _forward_rows
 def _backward_block(
     r0, r1, n, buf, g, dw,
     dy_addr, dy_stride, x_addr, x_stride, x_code, res_addr, res_stride, res_code,
@@ -900,7 +942,7 @@ def _backward_block(
             _store_row(dres_addr, row * dres_stride, res_code, g, n)
 
 
-@njit(nogil=True, cache=_CACHE)
+@_kernel()
 def _backward_share(
     t, nthreads, rows, n, block_rows, scratch, partials,
     dy_addr, dy_stride, x_addr, x_stride, x_code, res_addr, res_stride, res_code,
@@ -931,7 +973,7 @@ def _column_total(partials, j):
     return total
 
 
-@njit(nogil=True, cache=_CACHE)
+@_kernel()
 def _dweight_columns(partials, dw_addr, j0, j1):
     """dweight[j0:j1] (at ``dw_addr``, the partials' dtype), each column summed over the blocks in
     block order: deterministic dweight. Written in place: the tensor's memory, not a copy."""
@@ -945,7 +987,7 @@ def _dweight_columns(partials, dw_addr, j0, j1):
             out32[j] = _column_total(partials, j)
 
 
-@njit(nogil=True, cache=_CACHE, parallel=True)
+@_kernel(parallel=True)
 def _backward_kernel(
     rows, n, block_rows, scratch, partials, dw_addr,
     dy_addr, dy_stride, x_addr, x_stride, x_code, res_addr, res_stride, res_code,
@@ -964,7 +1006,7 @@ def _backward_kernel(
         _dweight_columns(partials, dw_addr, n * t // nthreads, n * (t + 1) // nthreads)
 
 
-@njit(nogil=True, cache=_CACHE)
+@_kernel()
 def _backward_serial(
     rows, n, block_rows, scratch, partials, dw_addr,
     dy_addr, dy_stride, x_addr, x_stride, x_code, res_addr, res_stride, res_code,

@@ -33,7 +33,7 @@ from numba.extending import intrinsic
 from dsnorm import cpu
 from dsnorm.ops import PLAIN_TYPES as _PLAIN_TYPES
 from dsnorm.cpu import (
-    _CACHE,
+    _kernel,
     _EPS_MAX,
     _EPS_MIN,
     _F32,
@@ -61,7 +61,7 @@ __all__ = ["empty_output", "forward", "rms_norm_fp8", "final_norm_lengths", "mla
 # compile cpu.py's row functions into themselves: a numba cache kept across a change to cpu.py alone
 # (a persistent NUMBA_CACHE_DIR beside a checkout) ran the old code here. So every change to cpu.py
 # changes this file too: this digest of cpu.py is checked by tests/test_fusions.py.
-CPU_SOURCE_SHA256 = "8a9868447f6dbb63b4dbae3342e91212728dfd14dc11c8fc100122e43543bb4e"
+CPU_SOURCE_SHA256 = "94390f4f8c67cdfcaccf903a83de0326ebaaf67eeb35d5cc2e691412f97fbe3f"
 
 _ptr_u8 = _pointer_intrinsic(types.uint8, ir.IntType(8))
 _ptr_i64 = _pointer_intrinsic(types.int64, ir.IntType(64))
@@ -183,7 +183,7 @@ def _quant_row(buf, n, block, ue8m0, q_addr, q_off, s_addr, s_off):
 # Norm + fp8.
 
 
-@njit(nogil=True, cache=_CACHE)
+@_kernel()
 def _fp8_rows(
     r0, r1, n, scratch, ytmp_addr,
     x_addr, x_stride, x_code, res_addr, res_stride, w_addr, y_addr, y_stride,
@@ -205,7 +205,7 @@ def _fp8_rows(
         _quant_row(buf, n, block, ue8m0, q_addr, row * n, s_addr, row * nblocks)
 
 
-@njit(nogil=True, cache=_CACHE)
+@_kernel()
 def _fp8_serial(
     rows, n, scratch, ytmp_addr, ytmp_bytes,
     x_addr, x_stride, x_code, res_addr, res_stride, w_addr, y_addr, y_stride,
@@ -218,7 +218,7 @@ def _fp8_serial(
     )
 
 
-@njit(nogil=True, cache=_CACHE, parallel=True)
+@_kernel(parallel=True)
 def _fp8_parallel(
     rows, n, scratch, ytmp_addr, ytmp_bytes,
     x_addr, x_stride, x_code, res_addr, res_stride, w_addr, y_addr, y_stride,
@@ -278,7 +278,7 @@ def rms_norm_fp8(x, residual, weight, eps, ue8m0, block, y, residual_out, q, sca
 # Final norm at each row's last valid position.
 
 
-@njit(nogil=True, cache=_CACHE)
+@_kernel()
 def _final_rows(
     b0, b1, n, scratch, len_addr, esize,
     h_addr, h_sb, h_st, code, r_addr, r_sb, r_st, w_addr, y_addr, ro_addr, eps,
@@ -295,7 +295,7 @@ def _final_rows(
         )
 
 
-@njit(nogil=True, cache=_CACHE)
+@_kernel()
 def _final_serial(
     rows, n, scratch, len_addr, esize, h_addr, h_sb, h_st, code, r_addr, r_sb, r_st, w_addr, y_addr, ro_addr, eps,
 ):
@@ -303,7 +303,7 @@ def _final_serial(
                 y_addr, ro_addr, eps)
 
 
-@njit(nogil=True, cache=_CACHE, parallel=True)
+@_kernel(parallel=True)
 def _final_parallel(
     rows, n, scratch, len_addr, esize, h_addr, h_sb, h_st, code, r_addr, r_sb, r_st, w_addr, y_addr, ro_addr, eps,
 ):
@@ -339,7 +339,7 @@ def final_norm_lengths(h, residual, weight, eps, lengths, y, residual_out) -> No
 # MLA latents: q_norm and kv_norm in one kernel.
 
 
-@njit(nogil=True, cache=_CACHE)
+@_kernel()
 def _mla_rows(
     r0, r1, scratch, code, eps,
     nq, q_addr, q_stride, wq_addr, yq_addr,
@@ -351,7 +351,7 @@ def _mla_rows(
                       0, 0, code, 0, eps, False, False)
 
 
-@njit(nogil=True, cache=_CACHE)
+@_kernel()
 def _mla_serial(
     rows, scratch, code, eps,
     nq, q_addr, q_stride, wq_addr, yq_addr, nkv, kv_addr, kv_stride, wkv_addr, ykv_addr,
@@ -360,7 +360,7 @@ def _mla_serial(
               nkv, kv_addr, kv_stride, wkv_addr, ykv_addr)
 
 
-@njit(nogil=True, cache=_CACHE, parallel=True)
+@_kernel(parallel=True)
 def _mla_parallel(
     rows, scratch, code, eps,
     nq, q_addr, q_stride, wq_addr, yq_addr, nkv, kv_addr, kv_stride, wkv_addr, ykv_addr,
@@ -410,13 +410,13 @@ def ue8m0_scales(values: np.ndarray) -> np.ndarray:
     return out
 
 
-@njit(nogil=True, cache=_CACHE)
+@_kernel()
 def _e4m3_array(values, out):
     for i in range(values.shape[0]):
         out[i] = _e4m3_bits(values[i])
 
 
-@njit(nogil=True, cache=_CACHE)
+@_kernel()
 def _ue8m0_array(values, out):
     for i in range(values.shape[0]):
         out[i] = _ue8m0(values[i])
