@@ -224,22 +224,29 @@ def test_every_cached_kernel_saves_under_the_lock():
 
 def test_a_kernel_cache_save_waits_for_the_lock(tmp_path):
     # While another holder has the lock beside a kernel's cache index, a compiled signature is in
-    # the dispatcher but not on disk; once the lock is let go the save completes.
-    import fcntl
+    # the dispatcher but not on disk; once the lock is let go the save completes. The probe's name
+    # and text are new each run, so a persistent NUMBA_CACHE_DIR never has it cached already.
     import importlib
     import time
+    import uuid
 
-    if not cpu._CACHE:
-        pytest.skip("numba cannot cache here")
-    (tmp_path / "dsnorm_locked_save_probe.py").write_text(
-        "from dsnorm.cpu import _kernel\n\n\n@_kernel()\ndef twice(a):\n    return 2 * a\n")
+    if not cpu._CACHE or cpu._fcntl is None:
+        pytest.skip("numba cannot cache here, or there is no fcntl: saves are numba's own")
+    import fcntl
+
+    tag = uuid.uuid4().hex
+    name = f"dsnorm_locked_save_probe_{tag}"
+    (tmp_path / f"{name}.py").write_text(
+        f"from dsnorm.cpu import _kernel\n\n\n@_kernel()\ndef twice(a):  # {tag}\n    return 2 * a\n")
     sys.path.insert(0, str(tmp_path))
     try:
-        probe = importlib.import_module("dsnorm_locked_save_probe")
+        probe = importlib.import_module(name)
     finally:
         sys.path.remove(str(tmp_path))
+        sys.modules.pop(name, None)
     cache_file = probe.twice._cache._cache_file
     probe.twice._cache._impl.locator.ensure_cache_path()
+    assert not os.path.exists(cache_file._index_path)
     results = []
     worker = threading.Thread(target=lambda: results.append(probe.twice(21)))
     with open(cache_file._index_path + ".lock", "a") as held:
@@ -253,6 +260,41 @@ def test_a_kernel_cache_save_waits_for_the_lock(tmp_path):
         assert worker.is_alive() and not os.path.exists(cache_file._index_path)
     worker.join(60)
     assert results == [42] and os.path.exists(cache_file._index_path)
+
+
+def test_a_child_forked_during_a_cache_save_does_not_keep_the_lock(tmp_path):
+    # flock belongs to the open file, which a forked child shares: a child forked by another thread
+    # while a save held the lock closes its copy, so the parent's later saves are not stalled by it.
+    if cpu._fcntl is None or not hasattr(os, "fork"):
+        pytest.skip("no fcntl or no fork")
+    code = textwrap.dedent(f"""
+        import fcntl, os, sys, time
+        from dsnorm import cpu
+        path = {str(tmp_path / "kernel.nbi.lock")!r}
+        held = open(path, "a")
+        fcntl.flock(held, fcntl.LOCK_EX)
+        cpu._held_cache_locks.add(held)  # as locked_save does around the save
+        ready_r, ready_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the fork hooks have run by now
+            os.write(ready_w, b"x")
+            time.sleep(30)  # a long-lived child: a DataLoader worker, a server's worker process
+            os._exit(0)
+        os.read(ready_r, 1)
+        cpu._held_cache_locks.discard(held)
+        held.close()  # the save is over
+        other = open(path, "a")
+        try:
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            print("free")
+        except BlockingIOError:
+            print("held by the child")
+        finally:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "free", (proc.stdout, proc.stderr[-3000:])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -44,6 +44,7 @@ from __future__ import annotations
 import os
 import threading
 import warnings
+from typing import IO
 
 try:
     import fcntl as _fcntl
@@ -123,9 +124,11 @@ def _kernel(**options):
     pytest-xdist workers, or ranks on different dtypes) can both take ``<kernel>.1.nbc``, and the
     index can be left sending one signature to the other's machine code, which every later process
     would load and run on the wrong types. An exclusive ``flock`` on a file beside the index, held
-    for the whole save, puts the saves in order. Loads need none: numba replaces each file
-    atomically, and a data file the index names before it is written reads as a miss (a compile).
-    Where the lock cannot be had (no ``fcntl``, a file system without locks) the save is numba's own.
+    for the whole save, puts the saves in order. Loads need none while the processes share one
+    source stamp and numba version: numba replaces each file atomically, and a data file the index
+    names before it is written reads as a miss (a compile). Where the lock cannot be had (no
+    ``fcntl``, a lock file this user cannot open, a file system without locks) the save is numba's
+    own; ``flock`` on a network file system may only order the saves of one host.
     """
     def decorate(py_func):
         dispatcher = njit(nogil=True, cache=_CACHE, **options)(py_func)
@@ -136,6 +139,22 @@ def _kernel(**options):
     return decorate
 
 
+# Lock files open in a save right now. A child forked by another thread meanwhile would hold the
+# lock (flock belongs to the open file, which the child shares) for its whole life and stall every
+# later save of that kernel: the child closes its copies (never unlocks: that would free the parent's).
+_held_cache_locks: set[IO[str]] = set()
+
+
+def _close_held_cache_locks_in_child() -> None:
+    for lock in list(_held_cache_locks):
+        lock.close()
+    _held_cache_locks.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_held_cache_locks_in_child)
+
+
 def _locked_save(unlocked_save, lock_path):
     def locked_save(key, data):
         try:
@@ -143,11 +162,15 @@ def _locked_save(unlocked_save, lock_path):
         except OSError:
             return unlocked_save(key, data)
         with lock:  # closing it releases the lock
+            _held_cache_locks.add(lock)
             try:
-                _fcntl.flock(lock, _fcntl.LOCK_EX)
-            except OSError:
-                pass
-            return unlocked_save(key, data)
+                try:
+                    _fcntl.flock(lock, _fcntl.LOCK_EX)
+                except OSError:
+                    pass
+                return unlocked_save(key, data)
+            finally:
+                _held_cache_locks.discard(lock)
     return locked_save
 
 
