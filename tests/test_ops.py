@@ -96,6 +96,36 @@ def test_compile_fullgraph_module_matches_eager():
         assert bits_equal(a, b)
 
 
+def test_compile_fullgraph_takes_one_tensor_as_two_arguments():
+    # norm(h, h) in grad mode: dynamo refused the autograd Function ("duplicate tensor input",
+    # found by review) where eager code and the reference's compile take it.
+    torch._dynamo.reset()
+    m = dsnorm.RMSNorm(64)
+    with torch.no_grad():
+        m.weight.copy_(torch.rand(64) + 0.5)
+    calls = {
+        "module(h, h)": lambda h: m(h, h),
+        "rms_norm(g, g)": lambda g: (dsnorm.rms_norm(g, g),),
+        "fused_add_rms_norm(g, g, g)": lambda g: dsnorm.fused_add_rms_norm(g, g, g),
+    }
+    h, g = _rand((3, 64), seed=50), torch.rand(64) + 0.5
+    for name, call in calls.items():
+        arg = h if name.startswith("module") else g
+        leaf, leaf_eager = arg.clone().requires_grad_(), arg.clone().requires_grad_()
+        got = torch.compile(call, fullgraph=True, backend="aot_eager")(leaf)
+        want = call(leaf_eager)
+        assert all(bits_equal(a, b) for a, b in zip(got, want)), name
+        sum(o.float().pow(2).sum() for o in got).backward()
+        sum(o.float().pow(2).sum() for o in want).backward()
+        if name.startswith("fused"):  # three gradients summed, in the order each graph chose
+            torch.testing.assert_close(leaf.grad, leaf_eager.grad, rtol=2**-21, atol=0)
+        else:
+            assert bits_equal(leaf.grad, leaf_eager.grad), name
+    y, res = m(h, h)
+    want_y, want_res = fused_add_rms_norm_ref(h, h, m.weight.detach())
+    assert bits_equal(y, want_y) and bits_equal(res, want_res)
+
+
 def test_compile_fullgraph_of_the_inplace_form():
     # The in-place form's eager-only probe (a negated view) must not break a fullgraph compile.
     torch._dynamo.reset()

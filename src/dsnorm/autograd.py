@@ -283,12 +283,30 @@ _is_wrapped = ops._is_wrapped
 def _apply(function, *args):
     """``function.apply(*args)`` (positional arguments only) without the signature binding (dynamo
     traces only ``apply`` itself: it is what compiled code calls)."""
-    if _is_compiling() or _transforms_active():
+    if _is_compiling():
+        return function.apply(*_distinct_tensors(args))
+    if _transforms_active():
         return function.apply(*args)
     for a in args:
         if isinstance(a, torch.Tensor) and _is_wrapped(a):
             return function.apply(*args)
     return _c_apply.__get__(None, function)(*args)
+
+
+def _distinct_tensors(args: tuple) -> tuple:
+    """``args`` with each repeat of a tensor (``norm(h, h)``) replaced by a view of it: dynamo
+    refuses an autograd.Function handed one tensor twice ("duplicate tensor input"), which eager
+    code and the reference take. A view has the same values, and its gradient reaches the tensor."""
+    seen = []
+    out = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if any(a is b for b in seen):
+                a = a.view_as(a)
+            else:
+                seen.append(a)
+        out.append(a)
+    return tuple(out)
 
 
 # The Functions' C apply, bound once, for the training lane (its arguments are plain tensors outside
