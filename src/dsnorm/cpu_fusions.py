@@ -61,7 +61,7 @@ __all__ = ["empty_output", "forward", "rms_norm_fp8", "final_norm_lengths", "mla
 # compile cpu.py's row functions into themselves: a numba cache kept across a change to cpu.py alone
 # (a persistent NUMBA_CACHE_DIR beside a checkout) ran the old code here. So every change to cpu.py
 # changes this file too: this digest of cpu.py is checked by tests/test_fusions.py.
-CPU_SOURCE_SHA256 = "a1499ed08cc55d26f8b347ee7c0c04747ffc16712c29c78d931f5a8d9709e853"
+CPU_SOURCE_SHA256 = "792a7bb366d149b90379276891e03c230fe8a588ae60fa905876627b00a5620f"
 
 _ptr_u8 = _pointer_intrinsic(types.uint8, ir.IntType(8))
 _ptr_i64 = _pointer_intrinsic(types.int64, ir.IntType(64))
