@@ -8,7 +8,9 @@
 * Ops pass ``torch.library.opcheck``; bad input raises errors naming the argument.
 """
 
+import ast
 import hashlib
+import importlib
 import math
 
 import numpy as np
@@ -519,3 +521,35 @@ def test_fusion_kernels_cache_is_invalidated_with_cpu_py():
     assert cpu_fusions.CPU_SOURCE_SHA256 == digest, (
         f"cpu.py changed: set cpu_fusions.CPU_SOURCE_SHA256 = {digest!r} so that numba recompiles the "
         "fusion kernels (their cache is stamped with cpu_fusions.py only)")
+
+
+def _kernel_calls_with_literals(path):
+    """``(caller, callee, line)`` for each call from one ``@_kernel`` function to another that
+    passes a literal argument."""
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    kernels = {
+        node.name: node for node in tree.body
+        if isinstance(node, ast.FunctionDef) and any(
+            isinstance(d, ast.Call) and getattr(d.func, "id", None) == "_kernel" for d in node.decorator_list)
+    }
+    names = set(kernels) | {"_forward_rows"}  # cpu_fusions calls cpu's as cpu._forward_rows
+    found = []
+    for caller, node in kernels.items():
+        for call in ast.walk(node):
+            if not isinstance(call, ast.Call):
+                continue
+            callee = getattr(call.func, "id", None) or getattr(call.func, "attr", None)
+            if callee in names and any(isinstance(a, ast.Constant) for a in call.args):
+                found.append((caller, callee, call.lineno))
+    return found
+
+
+@pytest.mark.parametrize("module", ["cpu", "cpu_fusions"])
+def test_kernels_call_kernels_without_literal_arguments(module):
+    # numba compiles a called kernel once per argument signature and types a literal 0 or False as
+    # Literal[int](0) / Literal[bool](False): a serial caller passing 0 where the parallel one
+    # passes a computed row compiled _forward_rows again (10 signatures of it in one suite run, 2
+    # once the callers passed typed zeros; the first `dsnorm bench` 2m54s -> 2m02s from a cold cache).
+    path = importlib.import_module(f"dsnorm.{module}").__file__
+    assert _kernel_calls_with_literals(path) == []

@@ -731,9 +731,20 @@ def _load_span(
             _store_row(rout_addr, row * rout_stride + lo, rout_code, span, m)
 
 
+# A zero and a False typed int64 / bool, not literals: see _forward_rows.
+_I0 = np.int64(0)
+_NO = np.bool_(False)
+
+
 # Not inlined: numba's parfor pass analyses what it inlines into a prange body and dropped the
 # rstd store made through a raw pointer there (a wrong result, found by the tests). A call is
 # opaque to it, and costs one call per thread.
+#
+# Its callers pass every argument as a typed value (``_I0``, ``_NO``), never a literal: numba
+# compiles a called kernel once per signature and types a literal ``0`` as ``Literal[int](0)``, so a
+# serial caller passing ``0`` for ``r0`` and the parallel one passing a computed ``r0`` cost two
+# compilations of this function (13-20 s each on a 2-core Zen 3 at 2.4 GHz), one more per caller
+# (tests/test_fusions.py checks the calls).
 @_kernel()
 def _forward_rows(
     r0, r1, n, scratch,
@@ -827,7 +838,7 @@ def _forward_serial32(
 ):
     # The scratch row is allocated here: handing numba an array costs more than the allocation.
     _forward_rows(
-        0, rows, n, np.empty(n + ACC_SLOTS, dtype=np.float32),
+        _I0, rows, n, np.empty(n + ACC_SLOTS, dtype=np.float32),
         x_addr, x_stride, x_code, res_addr, res_stride, res_code, w_addr, y_addr, y_stride,
         rout_addr, rout_stride, rout_code, rstd_addr, eps, cast_hf, round_first,
     )
@@ -840,7 +851,7 @@ def _forward_serial64(
     rout_addr, rout_stride, rout_code, rstd_addr, eps, cast_hf, round_first,
 ):
     _forward_rows(
-        0, rows, n, np.empty(n + ACC_SLOTS, dtype=np.float64),
+        _I0, rows, n, np.empty(n + ACC_SLOTS, dtype=np.float64),
         x_addr, x_stride, x_code, res_addr, res_stride, res_code, w_addr, y_addr, y_stride,
         rout_addr, rout_stride, rout_code, rstd_addr, eps, cast_hf, round_first,
     )
@@ -873,8 +884,8 @@ def _decode32(rows, n, code, x_addr, x_stride, res_addr, w_addr, y_addr, rout_ad
     else:
         scratch = np.empty(width, dtype=np.float32)
     _forward_rows(
-        0, rows, n, scratch,
-        x_addr, x_stride, code, res_addr, n, code, w_addr, y_addr, n, rout_addr, n, code, 0,
+        _I0, rows, n, scratch,
+        x_addr, x_stride, code, res_addr, n, code, w_addr, y_addr, n, rout_addr, n, code, _I0,
         eps, cast_hf, round_first,
     )
 
@@ -1019,8 +1030,9 @@ def _backward_kernel(
 ):
     nthreads = scratch.shape[0]
     for t in prange(nthreads):
+        # t as int64: prange's index is uint64, the serial kernel's int64 (one signature, see _forward_rows).
         _backward_share(
-            t, nthreads, rows, n, block_rows, scratch, partials,
+            np.int64(t), nthreads, rows, n, block_rows, scratch, partials,
             dy_addr, dy_stride, x_addr, x_stride, x_code, res_addr, res_stride, res_code,
             w_addr, rstd_addr, dro_addr, dro_stride, dro_code,
             dx_addr, dx_stride, dres_addr, dres_stride, round_first,
@@ -1040,12 +1052,12 @@ def _backward_serial(
     column, so the same bits, with no launch on numba's pool (a forked child must not touch a GNU
     OpenMP pool that ran in its parent; and one thread gains nothing from a launch)."""
     _backward_share(
-        0, 1, rows, n, block_rows, scratch, partials,
+        _I0, _I0 + 1, rows, n, block_rows, scratch, partials,
         dy_addr, dy_stride, x_addr, x_stride, x_code, res_addr, res_stride, res_code,
         w_addr, rstd_addr, dro_addr, dro_stride, dro_code,
         dx_addr, dx_stride, dres_addr, dres_stride, round_first,
     )
-    _dweight_columns(partials, dw_addr, 0, n)
+    _dweight_columns(partials, dw_addr, _I0, n)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -41,6 +41,8 @@ from dsnorm.cpu import (
     ACC_SLOTS,
     DTYPE_CODES,
     SERIAL_NUMEL,
+    _I0,
+    _NO,
     _f32_as_u32,
     _load_row,
     _pointer_intrinsic,
@@ -61,7 +63,7 @@ __all__ = ["empty_output", "forward", "rms_norm_fp8", "final_norm_lengths", "mla
 # compile cpu.py's row functions into themselves: a numba cache kept across a change to cpu.py alone
 # (a persistent NUMBA_CACHE_DIR beside a checkout) ran the old code here. So every change to cpu.py
 # changes this file too: this digest of cpu.py is checked by tests/test_fusions.py.
-CPU_SOURCE_SHA256 = "792a7bb366d149b90379276891e03c230fe8a588ae60fa905876627b00a5620f"
+CPU_SOURCE_SHA256 = "64ebee6df88575a3e0659de1cd44e8a5fdc9cf12fcaa8849af5926a48dc99893"
 
 _ptr_u8 = _pointer_intrinsic(types.uint8, ir.IntType(8))
 _ptr_i64 = _pointer_intrinsic(types.int64, ir.IntType(64))
@@ -198,7 +200,7 @@ def _fp8_rows(
         cpu._forward_rows(
             row, row + 1, n, scratch,
             x_addr, x_stride, x_code, res_addr, res_stride, x_code, w_addr, ya, ys,
-            rout_addr, rout_stride, x_code, 0, eps, False, False,
+            rout_addr, rout_stride, x_code, _I0, eps, _NO, _NO,
         )
         buf = scratch[:n]
         _load_row(ya, row * ys, x_code, buf, n, False)  # y.float(): exact widening of the stored y
@@ -212,7 +214,7 @@ def _fp8_serial(
     rout_addr, rout_stride, eps, block, ue8m0, q_addr, s_addr,
 ):
     _fp8_rows(
-        0, rows, n, scratch[0], ytmp_addr,
+        _I0, rows, n, scratch[0], ytmp_addr,
         x_addr, x_stride, x_code, res_addr, res_stride, w_addr, y_addr, y_stride,
         rout_addr, rout_stride, eps, block, ue8m0, q_addr, s_addr,
     )
@@ -287,11 +289,11 @@ def _final_rows(
     for b in range(b0, b1):
         pos = lengths[b] - 1
         cpu._forward_rows(
-            0, 1, n, scratch,
-            h_addr + (b * h_sb + pos * h_st) * esize, 0, code,
-            r_addr + (b * r_sb + pos * r_st) * esize, 0, code,
-            w_addr, y_addr + b * n * esize, 0, ro_addr + b * n * esize, 0, code,
-            0, eps, False, False,
+            _I0, _I0 + 1, n, scratch,
+            h_addr + (b * h_sb + pos * h_st) * esize, _I0, code,
+            r_addr + (b * r_sb + pos * r_st) * esize, _I0, code,
+            w_addr, y_addr + b * n * esize, _I0, ro_addr + b * n * esize, _I0, code,
+            _I0, eps, _NO, _NO,
         )
 
 
@@ -299,7 +301,7 @@ def _final_rows(
 def _final_serial(
     rows, n, scratch, len_addr, esize, h_addr, h_sb, h_st, code, r_addr, r_sb, r_st, w_addr, y_addr, ro_addr, eps,
 ):
-    _final_rows(0, rows, n, scratch[0], len_addr, esize, h_addr, h_sb, h_st, code, r_addr, r_sb, r_st, w_addr,
+    _final_rows(_I0, rows, n, scratch[0], len_addr, esize, h_addr, h_sb, h_st, code, r_addr, r_sb, r_st, w_addr,
                 y_addr, ro_addr, eps)
 
 
@@ -345,10 +347,10 @@ def _mla_rows(
     nq, q_addr, q_stride, wq_addr, yq_addr,
     nkv, kv_addr, kv_stride, wkv_addr, ykv_addr,
 ):
-    cpu._forward_rows(r0, r1, nq, scratch, q_addr, q_stride, code, 0, 0, code, wq_addr, yq_addr, nq,
-                      0, 0, code, 0, eps, False, False)
-    cpu._forward_rows(r0, r1, nkv, scratch, kv_addr, kv_stride, code, 0, 0, code, wkv_addr, ykv_addr, nkv,
-                      0, 0, code, 0, eps, False, False)
+    cpu._forward_rows(r0, r1, nq, scratch, q_addr, q_stride, code, _I0, _I0, code, wq_addr, yq_addr, nq,
+                      _I0, _I0, code, _I0, eps, _NO, _NO)
+    cpu._forward_rows(r0, r1, nkv, scratch, kv_addr, kv_stride, code, _I0, _I0, code, wkv_addr, ykv_addr, nkv,
+                      _I0, _I0, code, _I0, eps, _NO, _NO)
 
 
 @_kernel()
@@ -356,7 +358,7 @@ def _mla_serial(
     rows, scratch, code, eps,
     nq, q_addr, q_stride, wq_addr, yq_addr, nkv, kv_addr, kv_stride, wkv_addr, ykv_addr,
 ):
-    _mla_rows(0, rows, scratch[0], code, eps, nq, q_addr, q_stride, wq_addr, yq_addr,
+    _mla_rows(_I0, rows, scratch[0], code, eps, nq, q_addr, q_stride, wq_addr, yq_addr,
               nkv, kv_addr, kv_stride, wkv_addr, ykv_addr)
 
 
