@@ -540,6 +540,59 @@ def test_cuda_graph_capture():
         assert_bitwise(a, b)
 
 
+def test_patch_replaces_the_norms_of_a_cuda_model():
+    """patch probes a GPU model's norms as CPU copies (bitwise is the CPU's guarantee; probed on the
+    GPU in fp32, every norm would differ in its sum order and be left in place): the reference class
+    and a Hugging Face norm on CUDA are replaced, stay on the GPU, and agree with the modules they
+    replaced to the GPU's tolerance (one ulp, two for cast="hf"; fp32 4e-6 relative)."""
+    transformers = pytest.importorskip("transformers")
+    from torch import nn
+
+    from dsnorm.ref import RMSNormRef
+
+    hf_norm = transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3RMSNorm
+    gen = torch.Generator().manual_seed(37)
+    holder = nn.ModuleDict({"ref": RMSNormRef(1536), "hf": hf_norm(512, eps=1e-6).to(torch.bfloat16)}).cuda()
+    with torch.no_grad():
+        holder["ref"].weight.copy_(weight_of(1536, gen))
+        holder["hf"].weight.copy_(weight_of(512, gen).to(torch.bfloat16))
+    old = dict(holder.items())
+    report = dsnorm.patch(holder)
+    assert sorted(e.name for e in report.replaced) == ["hf", "ref"] and not report.left, str(report)
+    assert all("CPU copies" in e.reason for e in report.replaced)
+    for key, n, cast in (("ref", 1536, "deepseek"), ("hf", 512, "hf")):
+        new = holder[key]
+        assert isinstance(new, dsnorm.RMSNorm) and new.cast == cast and new.weight.is_cuda
+        for dtype in (torch.bfloat16, torch.float32):
+            x = rows_of(4, n, dtype, gen)
+            with torch.no_grad():
+                assert_y_close(new(x), old[key](x), cast)
+
+
+def test_final_norm_capture_needs_lengths_none():
+    """final_norm checks lengths' values on the host: under a capture that is refused by name (a
+    clear error, not CUDA's), and the last-position form (lengths=None) captures and replays."""
+    gen = torch.Generator().manual_seed(31)
+    h = rows_of(2 * 3, 1536, torch.bfloat16, gen).view(2, 3, 1536)
+    res = rows_of(2 * 3, 1536, torch.bfloat16, gen).view(2, 3, 1536)
+    w = weight_of(1536, gen)
+    lengths = torch.tensor([3, 2], device="cuda")
+    with torch.no_grad():
+        want = fusions.final_norm(h, res, w)
+        fusions.final_norm(h, res, w, lengths=lengths)  # compiled before the capture
+        torch.cuda.synchronize()
+        with pytest.raises(RuntimeError, match="lengths: final_norm checks"):
+            with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                fusions.final_norm(h, res, w, lengths=lengths)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            got = fusions.final_norm(h, res, w)
+        graph.replay()
+        torch.cuda.synchronize()
+    for a, b in zip(got, want):
+        assert_bitwise(a, b)
+
+
 # ---------------------------------------------------------------------------------------------
 # The DeepSeek fusions' Triton kernels.
 

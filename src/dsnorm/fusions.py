@@ -181,6 +181,13 @@ def _final_impl(h, residual, weight, eps, lengths):
         # launch from) a private copy. The caller's tensor may be rewritten meanwhile, by another
         # thread or stream (a scheduler reusing its buffer), and .to(int64) of an int64 tensor is
         # that tensor itself.
+        if lengths.is_cuda and torch.cuda.is_current_stream_capturing():
+            # Checking the values needs them on the host, a synchronisation that a capture forbids
+            # (CUDA's own error names no argument); an unchecked position would read out of bounds.
+            raise RuntimeError(
+                "lengths: final_norm checks the lengths' values on the host, which a CUDA graph capture "
+                "does not allow; capture final_norm with lengths=None (each row's last position) or call it "
+                "outside the graph")
         lengths = lengths.to(torch.int64, copy=True).contiguous()
         _check_lengths_values(lengths, seq)
         h = h if h.stride(-1) == 1 else h.contiguous()
@@ -459,6 +466,8 @@ def final_norm(
             full norm over all T positions.
         lengths: optional integer ``[B]`` tensor on h's device, values in ``[1, T]``: row b's last
             valid position is ``lengths[b] - 1`` (right-padded batches). Only with ``last_only``.
+            Its values are checked on the host (on CUDA a synchronisation), so a call with
+            ``lengths`` cannot be captured in a CUDA graph (``RuntimeError``); ``lengths=None`` can.
 
     Returns:
         ``(y, residual_out)``, each ``[B, d]`` in ``h.dtype`` (``[B, T, d]`` with ``last_only=False``).

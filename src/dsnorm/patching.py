@@ -14,7 +14,8 @@ The weight is copied exactly (bf16/fp16 widen to float32 without rounding) and e
 module. Norms dsnorm cannot reproduce are left in place and reported: Gemma-style ``(1 + weight)``
 gains, norms without a weight, multi-dimensional normalised shapes, ``torch.nn.RMSNorm`` off CPU (a
 fused kernel of its own order), unknown implementations. Each replacement is also checked on probe
-inputs against the module it replaces, and left alone if any output bit differs.
+inputs against the module it replaces, and left alone if any output bit differs (on CPU copies for a
+model on a GPU, where dsnorm's guarantee is one ulp, not bits).
 
 "Bit for bit" covers bf16, fp16 and fp32 activations (the probe's). fp64 activations differ:
 dsnorm computes them in fp64 (its one departure from the reference), where the reference and
@@ -383,7 +384,15 @@ def _probe(old: nn.Module, new: RMSNorm, dtypes: list, fused: bool) -> Optional[
 
     The second gain matters: a norm patched before its weights are loaded has a gain of ones, under
     which ``weight * x̂.to(dtype)`` and ``(weight * x̂).to(dtype)`` agree bit for bit.
+
+    Modules off the CPU are probed as CPU copies. Bit for bit is a CPU property: on a GPU the module's
+    own mean and dsnorm's kernel each sum in an order of their own (dsnorm's within one ulp of the
+    reference there), so an fp32 probe on the device would differ in nearly every row and leave every
+    norm in place. What the probe decides, the formula and where it rounds, is the module's code,
+    the same on every device.
     """
+    if new.weight.device.type != "cpu":
+        old, new = copy.deepcopy(old).to("cpu"), copy.deepcopy(new).to("cpu")
     gen = torch.Generator().manual_seed(0x5EED)
     dim = new.dim
     device = new.weight.device
@@ -436,8 +445,9 @@ def patch(model: nn.Module, *, probe: bool = True) -> PatchReport:
         probe: check every replacement bitwise on fixed probe inputs in the dtypes it will see
             (bf16 and fp32 for the reference class, those and the weight's dtype for
             torch.nn.RMSNorm, bf16, fp16 and fp32 for HF norms), with the module's own gain and a
-            random one, and leave the module alone on any difference. ``False`` trusts the class
-            alone (and takes the first cast it suggests).
+            random one, and leave the module alone on any difference. A module on a GPU is probed
+            as a CPU copy (bitwise is the CPU's guarantee; on a GPU dsnorm is within one ulp).
+            ``False`` trusts the class alone (and takes the first cast it suggests).
 
     Returns:
         :class:`PatchReport`: what was replaced (with cast and eps) and what was left alone and why
@@ -498,6 +508,9 @@ def patch(model: nn.Module, *, probe: bool = True) -> PatchReport:
                         new = None
                         continue
                 why = option.reason
+                if probe and w.device.type != "cpu":
+                    why += (f"; probed bitwise on CPU copies (on {w.device.type} dsnorm's kernels are within one "
+                            "ulp of the formula)")
                 if new.weight is not w and isinstance(w, nn.Parameter):
                     why += (f"; its {str(w.dtype)[6:]} weight copied into a new float32 Parameter (an optimizer, "
                             "DDP or EMA built before the patch holds the old one, which the model no longer uses)")
