@@ -1044,3 +1044,50 @@ def test_compiling_before_any_eager_call_needs_no_recompile():
     assert done.stdout.split("\n")[:-1] == [f"ok {n}" for n in ("module", "rms_norm", "fused_add_rms_norm",
                                                                 "fused_add_rms_norm_", "mla_latent_norms",
                                                                 "fp32 stream in place")]
+
+
+def test_inplace_round_first_with_an_fp32_buffer_names_the_buffer():
+    # The in-place form has no residual_dtype: the error names what the caller passed (the fp32
+    # buffer), eagerly, through the op and under FakeTensors alike; nothing is written.
+    x, r = _rand((4, 8), seed=7), _rand((4, 8), torch.float32, seed=8)
+    before = x.clone(), r.clone()
+    match = r"round_first' with a torch.float32 residual buffer beside x's torch.bfloat16 is contradictory"
+    for call in (lambda a, b: dsnorm.fused_add_rms_norm_(a, b, torch.ones(8), residual_rounding="round_first"),
+                 lambda a, b: torch.ops.dsnorm.fused_add_rms_norm_(a, b, torch.ones(8), 1e-6, "deepseek",
+                                                                   "round_first")):
+        with pytest.raises(ValueError, match=match) as caught:
+            call(x, r)
+        assert "residual_dtype" not in str(caught.value)
+        assert torch.equal(x, before[0]) and torch.equal(r, before[1])
+        with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+            with pytest.raises(ValueError, match=match):
+                call(mode.from_tensor(x), mode.from_tensor(r))
+
+
+def test_fakes_fail_as_the_real_ops_do():
+    # Checks are shared by the real ops and their fakes so that bad input fails the same way
+    # eagerly and under tracing: the same check first, and none skipped.
+    x, w = _rand((4, 16), seed=9), torch.ones(15)
+    r = _rand((4, 15), seed=10)
+    op = torch.ops.dsnorm.fused_add_rms_norm
+    errors = []
+    for convert in (lambda t: t, lambda t: t.to("meta")):
+        with pytest.raises(ValueError) as caught:
+            op(convert(x), convert(r), convert(w), 1e-6, "deepseek", "fp32_sum", None)
+        errors.append(str(caught.value))
+    assert errors[0] == errors[1] and "weight must have shape (16,)" in errors[0]
+    dy, x, r = _rand((2, 8), seed=11), _rand((2, 8), seed=12), _rand((2, 8), seed=13)
+    rstd = torch.ones(2)
+    for convert in (lambda t: t, lambda t: t.to("meta")):
+        with pytest.raises(ValueError, match="residual_rounding must be one of"):
+            torch.ops.dsnorm.fused_add_rms_norm_bwd(convert(dy), convert(x), convert(r), convert(torch.ones(8)),
+                                                    convert(rstd), None, "bogus")
+
+
+def test_final_norm_takes_hs_dtype_for_the_residual_at_every_position():
+    # last_only=False runs the core fused form, which would widen an fp32 residual; the fusion's
+    # rule (h's dtype) holds for both forms.
+    h = _rand((2, 3, 8), seed=14)
+    for last_only in (True, False):
+        with pytest.raises(TypeError, match=r"residual must be torch.bfloat16 \(the fusions take h's dtype\)"):
+            dsnorm.final_norm(h, _rand((2, 3, 8), torch.float32, seed=15), torch.ones(8), last_only=last_only)

@@ -487,6 +487,9 @@ def final_norm(
                              "last_only=False every position is normalised")
         from dsnorm.autograd import fused_add_rms_norm
 
+        # The residual rule of last_only=True (h's dtype), which the core form would widen.
+        ops.check_residual(residual, h, None, fp32_hint=False, mixed=False, x_name="h",
+                           why="the fusions take h's dtype")
         return fused_add_rms_norm(h, residual, w, eps)
     if _direct(h, residual, w) and (lengths is None or _direct(lengths)):
         return _final_impl(h, residual, w, eps, lengths)

@@ -138,6 +138,19 @@ def check_options(eps, cast, residual_rounding="fp32_sum", residual_dtype=None) 
         _OPTIONS_OK.add(key)
 
 
+def check_inplace_options(eps, cast, residual_rounding, x: torch.Tensor, residual: torch.Tensor) -> None:
+    """``check_options`` for the in-place form, which has no ``residual_dtype``: its residual
+    buffer's dtype says whether the stream is fp32, and the contradiction is named in those terms."""
+    check_options(eps, cast, residual_rounding)
+    if residual.dtype != x.dtype:
+        if residual_rounding == "round_first":
+            raise ValueError(
+                f"residual_rounding='round_first' with a {residual.dtype} residual buffer beside x's {x.dtype} is "
+                "contradictory: round_first rounds the residual stream to x.dtype; pass a residual of x's dtype "
+                "(or residual_rounding='fp32_sum' to keep an fp32 stream)")
+        check_options(eps, cast, residual_rounding, torch.float32)
+
+
 def is_dtensor(t) -> bool:
     """True for a DTensor, without importing torch.distributed.tensor (~0.5 s): no DTensor exists
     before its import."""
@@ -646,7 +659,7 @@ def fused_add_rms_norm_inplace(x, residual, weight, eps, cast, residual_rounding
         check_inplace(x, residual)
         check_weight(weight, x)
         check_inplace_weight(weight, x, residual)
-    check_options(eps, cast, residual_rounding, torch.float32 if residual.dtype != x.dtype else None)
+    check_inplace_options(eps, cast, residual_rounding, x, residual)
     _launcher(x).forward(
         x, residual, weight, eps, cast == "hf", residual_rounding == "round_first", x, residual, None
     )
@@ -813,9 +826,10 @@ def _rms_norm_fake(x, weight, eps, cast):
 
 @torch.library.register_fake("dsnorm::fused_add_rms_norm_fwd", lib=lib)
 def _fused_fwd_fake(x, residual, weight, eps, cast, residual_rounding, residual_dtype):
+    # The real op's order (_fused), so that a call with two faults names the same one in both.
     check_input(x)
-    check_residual(residual, x, residual_dtype)
     check_weight(weight, x)
+    check_residual(residual, x, residual_dtype)
     check_options(eps, cast, residual_rounding, residual_dtype)
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
     residual_out = torch.empty_like(x, dtype=residual_dtype or x.dtype, memory_format=torch.contiguous_format)
@@ -834,7 +848,7 @@ def _fused_inplace_fake(x, residual, weight, eps, cast, residual_rounding):
         raise TypeError(f"residual must be a torch.Tensor, got {type(residual).__name__}")
     check_inplace_residual(residual, x)
     check_weight(weight, x)
-    check_options(eps, cast, residual_rounding, torch.float32 if residual.dtype != x.dtype else None)
+    check_inplace_options(eps, cast, residual_rounding, x, residual)
     if torch._C._is_alias_of(x, residual):
         # Eager code takes two views of one buffer that share no element (buf[:, :n], buf[:, n:]);
         # compiled code with dynamic shapes rebuilds them from one base and loses the residual's
@@ -856,6 +870,7 @@ def _rms_norm_bwd_fake(dy, x, weight, rstd):
 @torch.library.register_fake("dsnorm::fused_add_rms_norm_bwd", lib=lib)
 def _fused_bwd_fake(dy, x, residual, weight, rstd, dresidual_out, residual_rounding):
     check_backward(dy, x, weight, rstd, residual, dresidual_out)
+    check_options(1.0, "deepseek", residual_rounding)
     return (
         torch.empty_like(x, memory_format=torch.contiguous_format),
         torch.empty_like(residual, memory_format=torch.contiguous_format),
