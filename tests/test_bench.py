@@ -562,7 +562,10 @@ def test_measure_plans_from_the_fastest_warm_up_call():
     r = bench.Runner("stalled once", "peer", fn, lambda: ())
     s = bench.Settings(budget_s=0.1, min_reps=2, max_reps=1000, warmup=2, rounds=2, copy_mb=1, copy_reps=1)
     _, n, _ = bench.measure([r], s, torch.device("cpu"))["stalled once"]
-    assert n >= 20
+    # Planned from the stalled call (0.1 s) the run gets min_reps calls; from the fastest, ~100, of
+    # which each round's deadline (0.1 s) keeps fewer when the machine is loaded (a 1 ms sleep took
+    # ~6 ms at a load average of 5 on 2 cores, and 16 calls were made): more than min_reps is the test.
+    assert n > s.min_reps
 
 
 class _ScaleGrad(torch.autograd.Function):
