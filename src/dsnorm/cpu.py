@@ -56,6 +56,7 @@ import numpy as np
 import torch
 from llvmlite import ir
 from numba import njit, prange, types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 from dsnorm import ops as _ops
@@ -736,6 +737,67 @@ _I0 = np.int64(0)
 _NO = np.bool_(False)
 
 
+# ---------------------------------------------------------------------------------------------
+# Calls by address. A parallel kernel calls its per-thread rows kernel through the rows kernel's
+# compiled address, handed to it as an argument, instead of by name. Called by name, numba links
+# the callee's whole machine-code module into the parallel kernel's and LLVM optimises the linked
+# callee again at each of the four stages that build a parallel kernel (its body as a gufunc, the
+# gufunc's wrapper, the kernel, its Python wrapper), for code compiled already: on a 2-core Zen 3
+# from a cold cache the first prefill fused norm took 27 s, 11 s by address (the six first calls
+# of a forward, a backward and the fusions 84 -> 35 s). Called by address, the rows kernel is
+# compiled (or loaded from the cache) once, with the serial kernels that call it by name.
+
+
+def _by_address(*signatures):
+    """An intrinsic ``call(address, args)``: calls the numba-compiled function at ``address`` (from
+    :func:`compiled_address`, returning None) with the arguments in the tuple ``args``.
+
+    The tuple's types must be one of ``signatures`` (checked when the caller compiles); that the
+    address is the compilation for the same one is the launcher's part (:class:`Parallel` checks
+    the scratch dtype). An exception the callee raises propagates as from a call by name (inside a
+    prange body numba reports it as a ``SystemError`` either way)."""
+    allowed = {tuple(signature) for signature in signatures}
+
+    @intrinsic
+    def call(typingctx, address, args):
+        if not isinstance(address, types.Integer) or not isinstance(args, types.BaseTuple):
+            return None
+        argtypes = tuple(args.types)
+        if argtypes not in allowed:
+            raise numba.core.errors.TypingError(
+                f"a call by address with argument types {argtypes}: none of the signatures compiled "
+                f"for it {sorted(map(str, allowed))}")
+
+        def codegen(context, builder, signature, llargs):
+            function_type = context.call_conv.get_function_type(types.none, argtypes)
+            callee = builder.inttoptr(llargs[0], function_type.as_pointer())
+            values = [builder.extract_value(llargs[1], k) for k in range(len(argtypes))]
+            status, _ = context.call_conv.call_function(builder, callee, types.none, argtypes, values)
+            with cgutils.if_unlikely(builder, status.is_error):
+                context.call_conv.return_status_propagate(builder, status)
+            return context.get_dummy_value()
+
+        return types.none(address, args), codegen
+
+    return call
+
+
+def scratch_types(ndim: int) -> dict:
+    """C-contiguous scratch arrays of ``ndim`` dimensions by compute dtype (x64: float64)."""
+    return {x64: types.Array(types.float64 if x64 else types.float32, ndim, "C") for x64 in (False, True)}
+
+
+_I64 = types.int64
+_ROW = scratch_types(1)
+_ROWS = scratch_types(2)
+# _forward_rows' argument types by compute dtype (x64): every caller passes these.
+FORWARD_ROWS_SIGNATURES = {
+    x64: (_I64,) * 3 + (_ROW[x64],) + (_I64,) * 13 + (types.float64, types.boolean, types.boolean)
+    for x64 in (False, True)
+}
+_call_forward_rows = _by_address(*FORWARD_ROWS_SIGNATURES.values())
+
+
 # Not inlined: numba's parfor pass analyses what it inlines into a prange body and dropped the
 # rstd store made through a raw pointer there (a wrong result, found by the tests). A call is
 # opaque to it, and costs one call per thread.
@@ -892,18 +954,19 @@ def _decode32(rows, n, code, x_addr, x_stride, res_addr, w_addr, y_addr, rout_ad
 
 @_kernel(parallel=True)
 def _forward_parallel(
-    rows, n, scratch,
+    rows_kernel, rows, n, scratch,
     x_addr, x_stride, x_code, res_addr, res_stride, res_code, w_addr, y_addr, y_stride,
     rout_addr, rout_stride, rout_code, rstd_addr, eps, cast_hf, round_first,
 ):
+    # rows_kernel: _forward_rows' address for this scratch dtype (see _by_address).
     # One contiguous block of rows per thread; a row's bits never depend on the split.
     nthreads = scratch.shape[0]
     for t in prange(nthreads):
-        _forward_rows(
+        _call_forward_rows(rows_kernel, (
             rows * t // nthreads, rows * (t + 1) // nthreads, n, scratch[t],
             x_addr, x_stride, x_code, res_addr, res_stride, res_code, w_addr, y_addr, y_stride,
             rout_addr, rout_stride, rout_code, rstd_addr, eps, cast_hf, round_first,
-        )
+        ))
 
 
 @njit(inline="always")
@@ -1021,22 +1084,30 @@ def _dweight_columns(partials, dw_addr, j0, j1):
             out32[j] = _column_total(partials, j)
 
 
+# _backward_share's argument types by compute dtype (x64).
+BACKWARD_SHARE_SIGNATURES = {
+    x64: (_I64,) * 5 + (_ROWS[x64],) * 2 + (_I64,) * 17 + (types.boolean,) for x64 in (False, True)
+}
+_call_backward_share = _by_address(*BACKWARD_SHARE_SIGNATURES.values())
+
+
 @_kernel(parallel=True)
 def _backward_kernel(
-    rows, n, block_rows, scratch, partials, dw_addr,
+    share_kernel, rows, n, block_rows, scratch, partials, dw_addr,
     dy_addr, dy_stride, x_addr, x_stride, x_code, res_addr, res_stride, res_code,
     w_addr, rstd_addr, dro_addr, dro_stride, dro_code,
     dx_addr, dx_stride, dres_addr, dres_stride, round_first,
 ):
+    # share_kernel: _backward_share's address for this scratch dtype (see _by_address).
     nthreads = scratch.shape[0]
     for t in prange(nthreads):
         # t as int64: prange's index is uint64, the serial kernel's int64 (one signature, see _forward_rows).
-        _backward_share(
+        _call_backward_share(share_kernel, (
             np.int64(t), nthreads, rows, n, block_rows, scratch, partials,
             dy_addr, dy_stride, x_addr, x_stride, x_code, res_addr, res_stride, res_code,
             w_addr, rstd_addr, dro_addr, dro_stride, dro_code,
             dx_addr, dx_stride, dres_addr, dres_stride, round_first,
-        )
+        ))
     for t in prange(nthreads):
         _dweight_columns(partials, dw_addr, n * t // nthreads, n * (t + 1) // nthreads)
 
@@ -1124,12 +1195,6 @@ def thread_rows(nthreads: int, width: int, dtype) -> np.ndarray:
     return np.empty((nthreads, row_bytes // itemsize), dtype=dtype)
 
 
-# The parallel forward's entry points by compute dtype (x64), once compiled: the dispatcher's
-# type resolution of its 19 arguments costs ~0.3 µs a call. Its argument types are fixed: Python
-# ints, bools and a float, and a C-contiguous 2-D scratch of the compute dtype.
-_parallel_entry: dict = {}
-
-
 def _entry_point(kernel, arg: int, dtype):
     """The compiled entry point of ``kernel``'s specialisation whose argument ``arg`` is an array of
     ``dtype`` (the kernels below are specialised only by their scratch's dtype), or None."""
@@ -1147,24 +1212,94 @@ def _first_run(kernel, entries: dict, x64: bool, scratch_arg: int, *args) -> Non
     entries[x64] = _entry_point(kernel, scratch_arg, args[scratch_arg].dtype)
 
 
-def run_either(nthreads: int, serial, parallel, key, *args) -> None:
-    """``serial(*args)`` on this thread when ``nthreads == 1``, else ``parallel(*args)`` on the pool
-    (through :func:`_run`: compiled on first use)."""
+def compiled_address(kernel, signature: tuple) -> int:
+    """The machine-code address of ``kernel`` compiled for the argument types ``signature``, for a
+    call by address (``_by_address``): compiled, or loaded from numba's cache, with SLP
+    vectorisation on as in :func:`_run`. Not to be called while ``_compile_lock`` is held."""
+    with _compile_lock:
+        previous = numba.config.SLP_VECTORIZE
+        numba.config.SLP_VECTORIZE = 1
+        try:
+            kernel.compile(signature)
+        finally:
+            numba.config.SLP_VECTORIZE = previous
+    overload = kernel.overloads[signature]
+    if overload.signature.return_type != types.none:
+        # The call is emitted with a None return slot: a wider return value would overrun it.
+        raise TypeError(f"{kernel.py_func.__name__} returns {overload.signature.return_type}; a call by address "
+                        "takes kernels that return None")
+    address = overload.library.get_pointer_to_function(overload.fndesc.llvm_func_name)
+    if not address:
+        raise RuntimeError(f"numba's engine has no machine code for {kernel.py_func.__name__}{signature}")
+    return address
+
+
+class Parallel:
+    """A parallel kernel whose first argument is the address of the rows kernel it calls on each
+    thread (``_by_address``), launched on the pool.
+
+    ``kernel``'s specialisations differ only in their scratch's dtype (the kernel's argument
+    ``scratch_arg``, the address being argument 0); ``rows_signatures[key]`` is the rows kernel's
+    signature for a launch's ``key`` (the compute dtype, x64, or None where there is one), whose
+    scratch has the same dtype (checked on the first launch of a key; callers derive the key and
+    the scratch from one dtype). Once compiled for a key, launches call the compiled entry point
+    with the address directly: the dispatcher's type resolution of ~20 arguments costs ~0.3 µs a
+    call, and hashing a dispatcher for ``_run``'s lookup ~70 ns.
+    """
+
+    def __init__(self, kernel, rows_kernel, rows_signatures: dict, scratch_arg: int):
+        self.kernel = kernel
+        self.rows_kernel = rows_kernel
+        self.rows_signatures = rows_signatures
+        self.scratch_arg = scratch_arg
+        # key -> (entry point, rows kernel address) once compiled; hot launchers read it directly.
+        self.ready: dict = {}
+
+    def launch(self, key, *args) -> None:
+        """``kernel(rows kernel's address, *args)`` on the pool (compiled on first use); ``args``:
+        the kernel's arguments after the address."""
+        ready = self.ready.get(key)
+        if ready is not None:
+            on_pool(ready[0], ready[1], *args)
+            return
+        signature = self.rows_signatures[key]
+        scratch = args[self.scratch_arg - 1]
+        want = next(t.dtype for t in signature if isinstance(t, types.Array))
+        if numba.from_dtype(scratch.dtype) != want:  # the address would be another compilation's
+            raise TypeError(f"{self.kernel.py_func.__name__}: a {scratch.dtype} scratch for key {key!r}, whose rows "
+                            f"kernel takes {want}")
+        address = compiled_address(self.rows_kernel, signature)
+        on_pool(_run, self.kernel, key, address, *args)
+        entry = _entry_point(self.kernel, self.scratch_arg, scratch.dtype)
+        if entry is not None:
+            self.ready[key] = (entry, address)
+
+
+def run_either(nthreads: int, serial, parallel: Parallel, key, *args) -> None:
+    """``serial(*args)`` on this thread when ``nthreads == 1`` (through :func:`_run`: compiled on
+    first use), else ``parallel.launch(key, *args)`` on the pool."""
     if nthreads == 1:
         _run(serial, key, *args)
     else:
-        on_pool(_run, parallel, key, *args)
+        parallel.launch(key, *args)
+
+
+_FORWARD_PARALLEL = Parallel(_forward_parallel, _forward_rows, FORWARD_ROWS_SIGNATURES, 3)
+_BACKWARD_PARALLEL = Parallel(_backward_kernel, _backward_share, BACKWARD_SHARE_SIGNATURES, 4)
+# _FORWARD_PARALLEL's compiled (entry point, address) by x64, read here without the method call
+# (~0.2 µs of a ~13 µs [16, 1536] call on the CI machine's CPU).
+_forward_ready = _FORWARD_PARALLEL.ready
 
 
 def _run_parallel(x64: bool, nthreads: int, rows: int, n: int, *args) -> None:
     """``_forward_parallel`` on ``nthreads`` threads with this thread's scratch (args: the
     kernel's arguments after ``scratch``)."""
     scratch = _scratch(nthreads, n + ACC_SLOTS, np.float64 if x64 else np.float32)
-    entry = _parallel_entry.get(x64)
-    if entry is None:
-        on_pool(_first_run, _forward_parallel, _parallel_entry, x64, 2, rows, n, scratch, *args)
+    ready = _forward_ready.get(x64)
+    if ready is None:
+        _FORWARD_PARALLEL.launch(x64, rows, n, scratch, *args)
     else:
-        on_pool(entry, rows, n, scratch, *args)
+        on_pool(ready[0], ready[1], rows, n, scratch, *args)
 
 
 def _scratch(nthreads: int, width: int, dtype, slot: str = "scratch") -> np.ndarray:
@@ -1366,7 +1501,7 @@ def backward(dy, x, residual, weight, rstd, dresidual_out, round_first, dx, dres
         dx.data_ptr(), row_stride(dx), _addr(dresidual), _stride(dresidual), bool(round_first),
     )
     if nthreads > 1:
-        on_pool(_run, _backward_kernel, np_cdtype, *args)
+        _BACKWARD_PARALLEL.launch(x64, *args)
         return
     entry = _backward_entry.get(x64)
     if entry is None:

@@ -42,7 +42,11 @@ from dsnorm.cpu import (
     DTYPE_CODES,
     SERIAL_NUMEL,
     _I0,
+    _I64,
     _NO,
+    _ROW,
+    Parallel,
+    _by_address,
     _f32_as_u32,
     _load_row,
     _pointer_intrinsic,
@@ -63,7 +67,7 @@ __all__ = ["empty_output", "forward", "rms_norm_fp8", "final_norm_lengths", "mla
 # compile cpu.py's row functions into themselves: a numba cache kept across a change to cpu.py alone
 # (a persistent NUMBA_CACHE_DIR beside a checkout) ran the old code here. So every change to cpu.py
 # changes this file too: this digest of cpu.py is checked by tests/test_fusions.py.
-CPU_SOURCE_SHA256 = "64ebee6df88575a3e0659de1cd44e8a5fdc9cf12fcaa8849af5926a48dc99893"
+CPU_SOURCE_SHA256 = "cd88c6b3c85d216868274497eeed9fdae1c3a962bf4576bb9277908bb27f7377"
 
 _ptr_u8 = _pointer_intrinsic(types.uint8, ir.IntType(8))
 _ptr_i64 = _pointer_intrinsic(types.int64, ir.IntType(64))
@@ -220,21 +224,29 @@ def _fp8_serial(
     )
 
 
+# _fp8_rows' argument types (fp32 compute only), for the call by address (cpu._by_address).
+FP8_ROWS_SIGNATURES = {
+    None: (_I64,) * 3 + (_ROW[False],) + (_I64,) * 11 + (types.float64, _I64, types.boolean, _I64, _I64),
+}
+_call_fp8_rows = _by_address(*FP8_ROWS_SIGNATURES.values())
+
+
 @_kernel(parallel=True)
 def _fp8_parallel(
-    rows, n, scratch, ytmp_addr, ytmp_bytes,
+    rows_kernel, rows, n, scratch, ytmp_addr, ytmp_bytes,
     x_addr, x_stride, x_code, res_addr, res_stride, w_addr, y_addr, y_stride,
     rout_addr, rout_stride, eps, block, ue8m0, q_addr, s_addr,
 ):
     nthreads = scratch.shape[0]
     for t in prange(nthreads):
-        _fp8_rows(
+        _call_fp8_rows(rows_kernel, (
             rows * t // nthreads, rows * (t + 1) // nthreads, n, scratch[t], ytmp_addr + t * ytmp_bytes,
             x_addr, x_stride, x_code, res_addr, res_stride, w_addr, y_addr, y_stride,
             rout_addr, rout_stride, eps, block, ue8m0, q_addr, s_addr,
-        )
+        ))
 
 
+_FP8_PARALLEL = Parallel(_fp8_parallel, _fp8_rows, FP8_ROWS_SIGNATURES, 3)
 _local = threading.local()
 
 
@@ -266,7 +278,7 @@ def rms_norm_fp8(x, residual, weight, eps, ue8m0, block, y, residual_out, q, sca
     row_bytes = -(-n * x.element_size() // 64) * 64  # whole cache lines
     ytmp = _row_scratch(nthreads, row_bytes)
     cpu.run_either(
-        nthreads, _fp8_serial, _fp8_parallel, None,
+        nthreads, _fp8_serial, _FP8_PARALLEL, None,
         rows, n, scratch, ytmp.ctypes.data, ytmp.shape[1],
         x.data_ptr(), row_stride(x), DTYPE_CODES[x.dtype],
         0 if residual is None else residual.data_ptr(), 0 if residual is None else row_stride(residual),
@@ -305,14 +317,24 @@ def _final_serial(
                 y_addr, ro_addr, eps)
 
 
+# _final_rows' argument types by compute dtype (x64), for the call by address (cpu._by_address).
+FINAL_ROWS_SIGNATURES = {x64: (_I64,) * 3 + (_ROW[x64],) + (_I64,) * 12 + (types.float64,) for x64 in (False, True)}
+_call_final_rows = _by_address(*FINAL_ROWS_SIGNATURES.values())
+
+
 @_kernel(parallel=True)
 def _final_parallel(
-    rows, n, scratch, len_addr, esize, h_addr, h_sb, h_st, code, r_addr, r_sb, r_st, w_addr, y_addr, ro_addr, eps,
+    rows_kernel, rows, n, scratch, len_addr, esize,
+    h_addr, h_sb, h_st, code, r_addr, r_sb, r_st, w_addr, y_addr, ro_addr, eps,
 ):
     nthreads = scratch.shape[0]
     for t in prange(nthreads):
-        _final_rows(rows * t // nthreads, rows * (t + 1) // nthreads, n, scratch[t], len_addr, esize,
-                    h_addr, h_sb, h_st, code, r_addr, r_sb, r_st, w_addr, y_addr, ro_addr, eps)
+        _call_final_rows(rows_kernel, (rows * t // nthreads, rows * (t + 1) // nthreads, n, scratch[t], len_addr,
+                                       esize, h_addr, h_sb, h_st, code, r_addr, r_sb, r_st, w_addr, y_addr, ro_addr,
+                                       eps))
+
+
+_FINAL_PARALLEL = Parallel(_final_parallel, _final_rows, FINAL_ROWS_SIGNATURES, 3)
 
 
 def final_norm_lengths(h, residual, weight, eps, lengths, y, residual_out) -> None:
@@ -329,7 +351,7 @@ def final_norm_lengths(h, residual, weight, eps, lengths, y, residual_out) -> No
     nthreads = 1 if numel < SERIAL_NUMEL else max(1, min(_threads(numel), rows))
     scratch = _scratch(nthreads, n + ACC_SLOTS, np.float64 if h.dtype == torch.float64 else np.float32)
     cpu.run_either(
-        nthreads, _final_serial, _final_parallel, h.dtype == torch.float64,
+        nthreads, _final_serial, _FINAL_PARALLEL, h.dtype == torch.float64,
         rows, n, scratch, lengths.data_ptr(), h.element_size(),
         h.data_ptr(), h.stride(0), h.stride(1), DTYPE_CODES[h.dtype],
         residual.data_ptr(), residual.stride(0), residual.stride(1),
@@ -362,15 +384,24 @@ def _mla_serial(
               nkv, kv_addr, kv_stride, wkv_addr, ykv_addr)
 
 
+# _mla_rows' argument types by compute dtype (x64), for the call by address (cpu._by_address).
+MLA_ROWS_SIGNATURES = {x64: (_I64,) * 2 + (_ROW[x64], _I64, types.float64) + (_I64,) * 10 for x64 in (False, True)}
+_call_mla_rows = _by_address(*MLA_ROWS_SIGNATURES.values())
+
+
 @_kernel(parallel=True)
 def _mla_parallel(
-    rows, scratch, code, eps,
+    rows_kernel, rows, scratch, code, eps,
     nq, q_addr, q_stride, wq_addr, yq_addr, nkv, kv_addr, kv_stride, wkv_addr, ykv_addr,
 ):
     nthreads = scratch.shape[0]
     for t in prange(nthreads):
-        _mla_rows(rows * t // nthreads, rows * (t + 1) // nthreads, scratch[t], code, eps,
-                  nq, q_addr, q_stride, wq_addr, yq_addr, nkv, kv_addr, kv_stride, wkv_addr, ykv_addr)
+        _call_mla_rows(rows_kernel, (rows * t // nthreads, rows * (t + 1) // nthreads, scratch[t], code, eps,
+                                     nq, q_addr, q_stride, wq_addr, yq_addr, nkv, kv_addr, kv_stride, wkv_addr,
+                                     ykv_addr))
+
+
+_MLA_PARALLEL = Parallel(_mla_parallel, _mla_rows, MLA_ROWS_SIGNATURES, 2)
 
 
 def mla_latent_norms(q_latent, kv_a, q_weight, kv_weight, eps, q_out, kv_out) -> None:
@@ -391,7 +422,7 @@ def mla_latent_norms(q_latent, kv_a, q_weight, kv_weight, eps, q_out, kv_out) ->
     x64 = q_latent.dtype == torch.float64
     scratch = _scratch(nthreads, max(nq, nkv) + ACC_SLOTS, np.float64 if x64 else np.float32)
     cpu.run_either(
-        nthreads, _mla_serial, _mla_parallel, x64,
+        nthreads, _mla_serial, _MLA_PARALLEL, x64,
         rows, scratch, DTYPE_CODES[q_latent.dtype], float(eps),
         nq, q_latent.data_ptr(), row_stride(q_latent), q_weight.data_ptr(), q_out.data_ptr(),
         nkv, kv.data_ptr(), row_stride(kv), kv_weight.data_ptr(), kv_out.data_ptr(),
