@@ -25,7 +25,7 @@ from dsnorm.sites import (
 HF_671B = {
     "hidden_size": 7168, "num_hidden_layers": 61, "first_k_dense_replace": 3, "q_lora_rank": 1536,
     "kv_lora_rank": 512, "num_nextn_predict_layers": 1, "rms_norm_eps": 1e-6, "index_head_dim": 128,
-    "n_routed_experts": 256, "moe_layer_freq": 1, "model_type": "deepseek_v32",
+    "n_routed_experts": 256, "moe_layer_freq": 1, "model_type": "deepseek_v32", "qk_rope_head_dim": 64,
 }
 
 
@@ -128,6 +128,128 @@ def test_more_dense_layers_than_layers_makes_every_block_dense():
                 config_from_dict({**HF_671B, "num_hidden_layers": 2}, "hf")):
         t = totals(cfg, enumerate_sites(cfg))
         assert (t["dense_blocks"], t["moe_blocks"]) == (2, 0)
+
+
+# Kills: kv_norm's input catalogued as a contiguous [B, T, 512] (ModelConfig ignored qk_rope_head_dim).
+# The reference MLA.forward normalises kv of `kv, k_pe = torch.split(self.wkv_a(x), [kv_lora_rank,
+# qk_rope_head_dim], dim=-1)`: the first 512 of each 576-wide row, a view whose rows are 576 apart.
+def test_671b_kv_norm_input_is_a_strided_slice_of_wkv_a():
+    with open(default_config_path()) as f:
+        assert json.load(f)["qk_rope_head_dim"] == 64
+    cfg = load_config()
+    assert cfg.qk_rope_head_dim == 64 and cfg.to_dict()["qk_rope_head_dim"] == 64
+    sites = enumerate_sites(cfg)
+    strided = [s for s in sites if s.input_row_stride != s.width]
+    assert {s.key for s in strided} == {"kv_norm", "mtp.kv_norm"} and len(strided) == 61 + 1
+    for s in sites:
+        d = s.to_dict()
+        assert d["input_row_stride"] == s.input_row_stride
+        assert d["input_row_stride"] == (576 if s.key.endswith("kv_norm") else s.width), s.hf_path
+        assert d["input_contiguous"] is (not s.key.endswith("kv_norm"))
+        assert (d["input_slice_of"] is None) is (not s.key.endswith("kv_norm"))
+        # The existing keys stay as they were: the shape is the view's, the output is contiguous.
+        assert d["input_shape"] == d["output_shape"] == ["B", "T", s.width] and "residual" in d
+    kv = next(s for s in sites if s.ref_path == "layers.7.attn.kv_norm").to_dict()
+    assert kv["width"] == 512 and kv["input_slice_of"] == {
+        "module_ref_path": "layers.7.attn.wkv_a", "module_hf_path": "model.layers.7.self_attn.kv_a_proj_with_mqa",
+        "output_width": 576, "column_start": 0, "column_stop": 512,
+        "description": kv["input_slice_of"]["description"],
+    }
+    for text in ("first 512 of the 576 columns of wkv_a(x)", "kv_lora_rank 512 + qk_rope_head_dim 64", "k_pe",
+                 "strided view", "rows 576 elements apart", "not copied"):
+        assert text in kv["input_slice_of"]["description"], text
+    mtp_kv = next(s for s in sites if s.key == "mtp.kv_norm").to_dict()["input_slice_of"]
+    assert mtp_kv["module_ref_path"] is None
+    assert mtp_kv["module_hf_path"] == "model.layers.61.self_attn.kv_a_proj_with_mqa"
+    # Summary rows: the same keys, paths as layer patterns.
+    rows = {r.key: r.to_dict() for r in summarise(sites)}
+    assert rows["kv_norm"]["input_row_stride"] == 576 and rows["kv_norm"]["input_contiguous"] is False
+    assert rows["kv_norm"]["input_slice_of"]["module_ref_path"] == "layers.{i}.attn.wkv_a"
+    assert rows["kv_norm"]["input_slice_of"]["module_hf_path"] == "model.layers.{i}.self_attn.kv_a_proj_with_mqa"
+    assert rows["kv_norm"]["input_shape"] == ["B", "T", 512] and rows["kv_norm"]["params_per_instance"] == 512
+    for key, r in rows.items():
+        if not key.endswith("kv_norm"):
+            got = (r["input_row_stride"], r["input_contiguous"], r["input_slice_of"])
+            assert got == (r["width"], True, None), key
+
+
+def _kv(cfg):
+    return next(s for s in enumerate_sites(cfg) if s.key == "kv_norm")
+
+
+def test_qk_rope_head_dim_sets_the_kv_norm_stride():
+    raw = json.loads(open(default_config_path()).read())
+    for cfg in (config_from_dict({**raw, "qk_rope_head_dim": 32, "kv_lora_rank": 256}, "ref"),
+                config_from_dict({**HF_671B, "qk_rope_head_dim": 32, "kv_lora_rank": 256}, "hf")):
+        kv = _kv(cfg)
+        assert cfg.qk_rope_head_dim == 32 and kv.width == 256 and kv.input_row_stride == 288
+        sl = kv.to_dict()["input_slice_of"]
+        assert (sl["output_width"], sl["column_start"], sl["column_stop"]) == (288, 0, 256)
+        assert "rows 288 elements apart" in sl["description"]
+        assert all(s.input_row_stride == s.width for s in enumerate_sites(cfg) if not s.key.endswith("kv_norm"))
+    # Absent: the reference ModelArgs default (and transformers' DeepseekV3Config's), 64, in both namings.
+    no_rope = {k: v for k, v in raw.items() if k != "qk_rope_head_dim"}
+    hf_no_rope = {k: v for k, v in HF_671B.items() if k != "qk_rope_head_dim"}
+    assert config_from_dict(no_rope).qk_rope_head_dim == config_from_dict(hf_no_rope).qk_rope_head_dim == 64
+    assert _kv(config_from_dict(no_rope)).input_row_stride == 576
+    assert _kv(config_from_dict(hf_no_rope)).input_row_stride == 576
+    # No rotary key: the split's first part is the whole row, contiguous.
+    flat = _kv(config_from_dict({**raw, "qk_rope_head_dim": 0}))
+    assert flat.input_row_stride == 512 and flat.to_dict()["input_contiguous"] is True
+
+
+def test_hf_config_kv_norm_slice_names_kv_a_proj_with_mqa():
+    cfg = config_from_dict(HF_671B, "hf")
+    assert cfg.format == "huggingface" and cfg.qk_rope_head_dim == 64
+    kv = next(s for s in enumerate_sites(cfg) if s.hf_path == "model.layers.3.self_attn.kv_a_layernorm")
+    assert kv.input_row_stride == 576 and kv.input_slice is not None
+    assert kv.input_slice.module_hf_path == "model.layers.3.self_attn.kv_a_proj_with_mqa"
+    assert kv.input_slice.module_ref_path == "layers.3.attn.wkv_a"
+    # Every site's JSON, the new input keys included, is the reference config's.
+    assert [s.to_dict() for s in enumerate_sites(cfg)] == [s.to_dict() for s in enumerate_sites(load_config())]
+
+
+@pytest.mark.parametrize("bad", [
+    {"qk_rope_head_dim": "64"}, {"qk_rope_head_dim": True}, {"qk_rope_head_dim": -1},
+    {"qk_rope_head_dim": None}, {"qk_rope_head_dim": 64.0}, {"qk_rope_head_dim": 1 << 30},
+])
+@pytest.mark.parametrize("base", ["ref", "hf"])
+def test_bad_qk_rope_head_dim_is_refused_by_name(bad, base):
+    raw = json.loads(open(default_config_path()).read()) if base == "ref" else HF_671B
+    with pytest.raises(ValueError, match=r"cfg\.json: config field 'qk_rope_head_dim'"):
+        config_from_dict({**raw, **bad}, "cfg.json")
+
+
+def test_kv_norm_stride_in_table_page_and_json(tmp_path, capsys):
+    for argv in (["sites"], ["sites", "--markdown"]):
+        assert cli.main(argv) == 0
+        out = capsys.readouterr().out
+        assert "qk_rope_head_dim 64" in out
+        lines = [ln for ln in out.splitlines() if " of " in ln and "[B, T," in ln and "->" in ln]
+        # kv_norm's row and the MTP block's, nothing else; the output stays [B, T, 512].
+        assert len(lines) == 2 and all("[B, T, 512 of 576] -> [B, T, 512]" in ln for ln in lines), lines
+        assert all("kv_norm" in ln for ln in lines)
+        assert "rows 576 elements apart, not copied" in out and "kv_a_proj_with_mqa" in out
+    assert cli.main(["sites", "--site", "kv_a_layernorm"]) == 0
+    page = capsys.readouterr().out
+    for text in ("in:  x [B batch, T positions, 512]", "x (row stride 576): the first 512 of the 576 columns",
+                 "decode (one position): [B, 1, 512 of 576]", "y is contiguous", "strided view the split returns"):
+        assert text in page, text
+    assert "x and y contiguous (row stride 1,536)" in render_page(load_config(), "q_norm")
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({**HF_671B, "qk_rope_head_dim": 32}))
+    assert cli.main(["sites", "--config", str(cfg), "--json", "-"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["config"]["qk_rope_head_dim"] == 32
+    row = next(r for r in data["summary"] if r["key"] == "kv_norm")
+    assert row["input_row_stride"] == 544 and row["input_slice_of"]["output_width"] == 544
+    assert cli.main(["sites", "--config", str(cfg)]) == 0
+    assert "[B, T, 512 of 544] -> [B, T, 512]" in capsys.readouterr().out
+    # With no rotary key nothing is strided: no "of" in the table, no note.
+    cfg.write_text(json.dumps({**HF_671B, "qk_rope_head_dim": 0}))
+    assert cli.main(["sites", "--config", str(cfg)]) == 0
+    out = capsys.readouterr().out
+    assert " of " not in out.split("Totals")[0] and "strided" not in out
 
 
 @pytest.mark.parametrize("bad, msg", [

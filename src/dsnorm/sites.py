@@ -6,7 +6,12 @@ is listed with its module path in the reference naming (``inference/model.py``: 
 Hugging Face naming (``model.layers.{i}.input_layernorm``, ``post_attention_layernorm``,
 ``self_attn.q_a_layernorm``, ``self_attn.kv_a_layernorm``, ``model.norm``), the kind of block it sits in
 (dense for the first ``n_dense_layers`` blocks, MoE after), its form (plain, or fused with the residual
-addition), its width, its input/output shapes and its parameter count.
+addition), its width, its input/output shapes, its input's row stride and its parameter count.
+
+Every input is contiguous (row stride = width) but ``kv_norm``'s: MLA splits ``wkv_a(x)``, ``kv_lora_rank +
+qk_rope_head_dim`` columns wide, into the key-value latent and the rotary key ``k_pe`` with ``torch.split``,
+and normalises the latent, the first ``kv_lora_rank`` columns, as the strided view the split returns
+(rows ``kv_lora_rank + qk_rope_head_dim`` elements apart, not copied). Outputs are contiguous.
 
 Two families are kept apart from the main-model RMSNorm totals:
 
@@ -25,7 +30,7 @@ import json
 import os
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterable, Optional, Sequence, Union, overload
 
 DEFAULT_CONFIG_NAME = "config_671B_v3.2.json"
@@ -36,6 +41,8 @@ MAX_WIDTH = 1 << 24
 MAX_LAYERS = 1 << 16
 # The reference RMSNorm and the MLA latent norms of the HF code always use this eps.
 REFERENCE_EPS = 1e-6
+# ModelArgs.qk_rope_head_dim of the reference, and DeepseekV3Config's / DeepseekV32Config's default.
+DEFAULT_QK_ROPE_HEAD_DIM = 64
 
 # Pinned reference revision and line ranges the seed pages cite (inference/model.py).
 REFERENCE_REVISION = "87e509a2e5a1"
@@ -54,6 +61,9 @@ class ModelConfig:
         n_dense_layers: leading dense-MLP blocks (``n_dense_layers`` / ``first_k_dense_replace``).
         q_lora_rank: query latent width; 0 when queries are not compressed (no ``q_norm``).
         kv_lora_rank: key-value latent width (``kv_norm``).
+        qk_rope_head_dim: width of the shared rotary key ``k_pe`` (same name in both namings): ``wkv_a``
+            (HF ``kv_a_proj_with_mqa``) outputs ``kv_lora_rank + qk_rope_head_dim`` columns, and
+            ``kv_norm`` reads the first ``kv_lora_rank`` of them in place, so this sets its input's row stride.
         index_head_dim: indexer key width (its LayerNorm ``k_norm``); 0 when there is no indexer.
         n_mtp_layers: multi-token-prediction layers of the HF checkpoint (``num_nextn_predict_layers``).
         mtp_stated: whether the config states ``n_mtp_layers`` (reference configs do not: the
@@ -71,6 +81,7 @@ class ModelConfig:
     n_dense_layers: int
     q_lora_rank: int
     kv_lora_rank: int
+    qk_rope_head_dim: int
     index_head_dim: int
     n_mtp_layers: int
     mtp_stated: bool
@@ -116,13 +127,14 @@ def config_from_dict(d: dict, source: str = "<dict>") -> ModelConfig:
 
     Args:
         d: the parsed JSON object: reference field names (``dim``, ``n_layers``, ``n_dense_layers``,
-            ``q_lora_rank``, ``kv_lora_rank``, ``index_head_dim``) or Hugging Face names
-            (``hidden_size``, ``num_hidden_layers``, ``first_k_dense_replace``, ``q_lora_rank``,
-            ``kv_lora_rank``, ``num_nextn_predict_layers``, ``rms_norm_eps``, ``index_head_dim``).
-            Missing optional fields take the reference ``ModelArgs`` defaults (reference names;
-            but a reference config with none of ``index_n_heads``, ``index_head_dim``,
-            ``index_topk`` predates V3.2 and has no indexer) or are treated as absent (HF names:
-            no indexer, no MTP layer).
+            ``q_lora_rank``, ``kv_lora_rank``, ``qk_rope_head_dim``, ``index_head_dim``) or Hugging Face
+            names (``hidden_size``, ``num_hidden_layers``, ``first_k_dense_replace``, ``q_lora_rank``,
+            ``kv_lora_rank``, ``qk_rope_head_dim``, ``num_nextn_predict_layers``, ``rms_norm_eps``,
+            ``index_head_dim``). Missing optional fields take the reference ``ModelArgs`` defaults
+            (reference names; but a reference config with none of ``index_n_heads``,
+            ``index_head_dim``, ``index_topk`` predates V3.2 and has no indexer) or are treated as
+            absent (HF names: no indexer, no MTP layer); a missing ``qk_rope_head_dim`` is 64 in both
+            (``ModelArgs``' and ``transformers``' DeepseekV3Config default).
         source: named in error messages.
 
     Raises:
@@ -142,6 +154,7 @@ def config_from_dict(d: dict, source: str = "<dict>") -> ModelConfig:
         n_dense = _field(d, "n_dense_layers", source, 1)
         q_rank = _field(d, "q_lora_rank", source, 0)
         kv_rank = _field(d, "kv_lora_rank", source, 512, minimum=1)
+        rope_dim = _field(d, "qk_rope_head_dim", source, DEFAULT_QK_ROPE_HEAD_DIM)
         # V3.2's ModelArgs defaults to an indexer (index_head_dim 128), but the reference configs
         # from before V3.2 (DeepSeek-V3's inference/configs: 16B, 236B, 671B) have no index_* field
         # and no indexer: without any of those fields the config is read as one of them.
@@ -156,6 +169,8 @@ def config_from_dict(d: dict, source: str = "<dict>") -> ModelConfig:
         n_dense = _field(d, "first_k_dense_replace", source, 0)
         q_rank = _field(d, "q_lora_rank", source, 0, allow_none=True)
         kv_rank = _field(d, "kv_lora_rank", source, minimum=1)
+        # No None here (unlike q_lora_rank): transformers has no "no rotary key" setting to map it to.
+        rope_dim = _field(d, "qk_rope_head_dim", source, DEFAULT_QK_ROPE_HEAD_DIM)
         index_dim = _field(d, "index_head_dim", source, 0, allow_none=True)
         n_routed = _field(d, "n_routed_experts", source, 0, allow_none=True)
         n_mtp = _field(d, "num_nextn_predict_layers", source, 0, allow_none=True)
@@ -177,7 +192,7 @@ def config_from_dict(d: dict, source: str = "<dict>") -> ModelConfig:
         raise ValueError(f"{source}: {n_layers} + {n_mtp} layers is more than {MAX_LAYERS}")
     return ModelConfig(
         dim=dim, n_layers=n_layers, n_dense_layers=n_dense, q_lora_rank=q_rank, kv_lora_rank=kv_rank,
-        index_head_dim=index_dim, n_mtp_layers=n_mtp, mtp_stated=mtp_stated, eps=eps,
+        qk_rope_head_dim=rope_dim, index_head_dim=index_dim, n_mtp_layers=n_mtp, mtp_stated=mtp_stated, eps=eps,
         moe_layer_freq=freq, has_moe=n_routed > 0, format=fmt, source=source,
     )
 
@@ -363,6 +378,45 @@ def load_config(path: Optional[Union[str, os.PathLike[str]]] = None) -> ModelCon
 
 
 @dataclass(frozen=True)
+class InputSlice:
+    """A norm input that is a column slice of another module's output, read in place.
+
+    ``x = out[..., column_start:column_stop]`` of an output ``out`` that is ``output_width`` columns
+    wide and contiguous: a strided view whose rows are ``output_width`` elements apart (no copy), so a
+    kernel or buffer sized from the norm's width alone would read the wrong elements.
+
+    Attributes:
+        module_ref_path: the producing module in the reference naming (``layers.{i}.attn.wkv_a``),
+            ``None`` where there is no reference module (MTP).
+        module_hf_path: the producing module in the Hugging Face naming
+            (``model.layers.{i}.self_attn.kv_a_proj_with_mqa``).
+        output_width: columns of the producing module's output: the input's row stride in elements.
+        column_start: first column of the slice.
+        column_stop: one past its last column (``column_stop - column_start`` is the norm's width).
+        description: the slice in words, with the config fields that size it.
+    """
+
+    module_ref_path: Optional[str]
+    module_hf_path: str
+    output_width: int
+    column_start: int
+    column_stop: int
+    description: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f: getattr(self, f) for f in self.__dataclass_fields__}
+
+
+def _input_keys(width: int, input_slice: Optional[InputSlice]) -> dict[str, Any]:
+    """The input-layout keys of a site's or a summary row's JSON (added after the original keys)."""
+    stride = input_slice.output_width if input_slice is not None else width
+    return {
+        "input_row_stride": stride, "input_contiguous": stride == width,
+        "input_slice_of": input_slice.to_dict() if input_slice is not None else None,
+    }
+
+
+@dataclass(frozen=True)
 class Site:
     """One norm instance of the model.
 
@@ -381,6 +435,8 @@ class Site:
         width: normalised width (last axis).
         eps: epsilon added to the mean square (variance for LayerNorm).
         tensors: parameter tensor names under the module (``("weight",)``, LayerNorm adds ``"bias"``).
+        input_slice: where ``x`` is a column slice of another module's output (``kv_norm``: the first
+            ``kv_lora_rank`` columns of ``wkv_a(x)``), that slice; ``None`` for a contiguous input.
     """
 
     key: str
@@ -394,6 +450,8 @@ class Site:
     width: int
     eps: float
     tensors: tuple[str, ...]
+    # Last and defaulted, so that a Site built positionally before this field existed still builds.
+    input_slice: Optional[InputSlice] = None
 
     @property
     def params(self) -> int:
@@ -405,6 +463,13 @@ class Site:
         """Input and output shape of ``x``/``y`` (and of the residual in the fused form): ``[B, T, width]``."""
         return ["B", "T", self.width]
 
+    @property
+    def input_row_stride(self) -> int:
+        """Elements from one row of ``x`` to the next: the producing output's width for a sliced input
+        (``kv_norm``: ``kv_lora_rank + qk_rope_head_dim``), else ``width`` (contiguous). The output
+        ``y`` (and a fused norm's residual) is always contiguous."""
+        return self.input_slice.output_width if self.input_slice is not None else self.width
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "key": self.key, "group": self.group, "layer": self.layer, "ref_path": self.ref_path,
@@ -412,6 +477,7 @@ class Site:
             "width": self.width, "eps": self.eps, "tensors": list(self.tensors), "params": self.params,
             "input_shape": self.shape, "output_shape": self.shape,
             "residual": self.form == "fused",
+            **_input_keys(self.width, self.input_slice),
         }
 
 
@@ -445,8 +511,19 @@ def _block_sites(cfg: ModelConfig, layer: int, group: str) -> list[Site]:
     if cfg.q_lora_rank:
         out.append(Site(prefix + "q_norm", group, layer, ref("attn.q_norm"), hf("self_attn.q_a_layernorm"), kind,
                         "plain", "rmsnorm", cfg.q_lora_rank, REFERENCE_EPS, ("weight",)))
+    # MLA: kv, k_pe = torch.split(wkv_a(x), [kv_lora_rank, qk_rope_head_dim], dim=-1); kv = kv_norm(kv).
+    # The split returns views, not copies: kv_norm reads the latent in place, its rows as far apart as
+    # wkv_a's output rows (kv_lora_rank + qk_rope_head_dim elements).
+    kv_out = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    kv_slice = InputSlice(
+        ref("attn.wkv_a"), hf("self_attn.kv_a_proj_with_mqa"), kv_out, 0, cfg.kv_lora_rank,
+        f"the first {cfg.kv_lora_rank:,} of the {kv_out:,} columns of wkv_a(x) (Hugging Face: kv_a_proj_with_mqa; "
+        f"kv_lora_rank {cfg.kv_lora_rank:,} + qk_rope_head_dim {cfg.qk_rope_head_dim:,}, the last "
+        f"{cfg.qk_rope_head_dim:,} being k_pe, the shared rotary key): torch.split's strided view, "
+        f"rows {kv_out:,} elements apart, not copied",
+    )
     out.append(Site(prefix + "kv_norm", group, layer, ref("attn.kv_norm"), hf("self_attn.kv_a_layernorm"), kind,
-                    "plain", "rmsnorm", cfg.kv_lora_rank, REFERENCE_EPS, ("weight",)))
+                    "plain", "rmsnorm", cfg.kv_lora_rank, REFERENCE_EPS, ("weight",), kv_slice))
     if cfg.index_head_dim:
         out.append(Site(prefix + "k_norm", group, layer, ref("attn.indexer.k_norm"), hf("self_attn.indexer.k_norm"),
                         kind, "plain", "layernorm", cfg.index_head_dim, REFERENCE_EPS, ("weight", "bias")))
@@ -499,10 +576,17 @@ class SiteSummary:
     moe: int
     plain: int
     fused: int
+    # As Site's: the paths in it are patterns (layers.{i}) when the row covers several layers.
+    input_slice: Optional[InputSlice] = None
 
     @property
     def params(self) -> int:
         return self.per_instance * self.instances
+
+    @property
+    def input_row_stride(self) -> int:
+        """As :attr:`Site.input_row_stride`: elements between consecutive rows of the input."""
+        return self.input_slice.output_width if self.input_slice is not None else self.width
 
     @property
     def form(self) -> str:
@@ -517,6 +601,7 @@ class SiteSummary:
             "instances": self.instances, "dense_blocks": self.dense, "moe_blocks": self.moe,
             "plain_instances": self.plain, "fused_instances": self.fused, "params": self.params,
             "input_shape": ["B", "T", self.width], "output_shape": ["B", "T", self.width],
+            **_input_keys(self.width, self.input_slice),
         }
 
 
@@ -535,7 +620,7 @@ def summarise(sites: Iterable[Site]) -> list[SiteSummary]:
             rows[s.key] = r = {
                 "key": s.key, "group": s.group, "norm_type": s.norm_type, "ref_path": s.ref_path,
                 "hf_path": s.hf_path, "width": s.width, "per_instance": s.params, "layer": s.layer,
-                "instances": 0, "dense": 0, "moe": 0, "plain": 0, "fused": 0,
+                "instances": 0, "dense": 0, "moe": 0, "plain": 0, "fused": 0, "input_slice": s.input_slice,
             }
         r["instances"] += 1
         if s.block is not None:
@@ -545,6 +630,10 @@ def summarise(sites: Iterable[Site]) -> list[SiteSummary]:
             # Several layers: show the path with the layer index as a placeholder.
             r["ref_path"] = _pattern(r["ref_path"], r["layer"])
             r["hf_path"] = _pattern(r["hf_path"], r["layer"])
+            if r["input_slice"] is not None:
+                sl = r["input_slice"]
+                r["input_slice"] = replace(sl, module_ref_path=_pattern(sl.module_ref_path, r["layer"]),
+                                           module_hf_path=_pattern(sl.module_hf_path, r["layer"]))
             r["layer"] = s.layer
     for r in rows.values():
         del r["layer"]
@@ -621,8 +710,11 @@ _WHERE = {
         "(model.py 523-539, 560-564)."
     ),
     "kv_norm": (
-        "Inside MLA in every block: wkv_a(x) is split into the key-value latent and the shared rotary "
-        "key; the latent is normalised and cached (kv_cache) before wkv_b (model.py 523-539)."
+        "Inside MLA in every block: kv, k_pe = torch.split(wkv_a(x), [kv_lora_rank, qk_rope_head_dim], "
+        "dim=-1) splits wkv_a's output into the key-value latent and the shared rotary key; the latent "
+        "is normalised as the strided view the split returns (the first kv_lora_rank columns of each "
+        "row, rows kv_lora_rank + qk_rope_head_dim elements apart, not copied), then cached (kv_cache) "
+        "before wkv_b (model.py 523-539). Hugging Face does the same to kv_a_proj_with_mqa's output."
     ),
     "norm": (
         "After the last block: adds its FFN output to the residual stream, normalises, and the untied "
@@ -638,6 +730,11 @@ _WHERE = {
 
 def _fmt(n: int) -> str:
     return f"{n:,}"
+
+
+def _in_width(width: int, row_stride: int) -> str:
+    """The last axis of a norm input: ``512``, or ``512 of 576`` for a strided slice (the README's notation)."""
+    return f"{width}" if row_stride == width else f"{width} of {row_stride}"
 
 
 def _table(headers: list, rows: list, markdown: bool) -> list:
@@ -662,18 +759,29 @@ def render_table(cfg: ModelConfig, markdown: bool = False) -> str:
     def cells(r: SiteSummary) -> list:
         in_block = r.dense + r.moe > 0
         form = r.form + (" LayerNorm" if r.norm_type == "layernorm" else "")
-        return [r.key, r.ref_path or "-", r.hf_path, form, r.width, f"{shape(r.width)} -> {shape(r.width)}",
+        # A strided input shows as "[B, T, 512 of 576]" (rows 576 apart); the note under the header explains it.
+        return [r.key, r.ref_path or "-", r.hf_path, form, r.width,
+                f"{shape(_in_width(r.width, r.input_row_stride))} -> {shape(r.width)}",
                 _fmt(r.per_instance), r.dense if in_block else "-", r.moe if in_block else "-",
                 r.instances, _fmt(r.params)]
+
+    # One sentence for the strided input (kv_norm; the MTP block's copy of it reads the same slice).
+    strided_note = ""
+    for r in rows:
+        if r.input_slice is not None and r.input_row_stride != r.width:
+            strided_note = (f" Rows are contiguous (row stride = width) but {r.key}'s: its input "
+                            f"[B, T, {_in_width(r.width, r.input_row_stride)}] is {r.input_slice.description}.")
+            break
 
     h1 = "## " if markdown else ""
     out = [
         f"{h1}DeepSeek-V3.2-Exp RMSNorm sites (config: {cfg.source}, {cfg.format} names)",
         "",
         f"dim {cfg.dim:,}; {t['blocks']} blocks ({t['dense_blocks']} dense, {t['moe_blocks']} MoE); "
-        f"q_lora_rank {cfg.q_lora_rank:,}; kv_lora_rank {cfg.kv_lora_rank:,}; eps {cfg.eps:g}. "
+        f"q_lora_rank {cfg.q_lora_rank:,}; kv_lora_rank {cfg.kv_lora_rank:,}; "
+        f"qk_rope_head_dim {cfg.qk_rope_head_dim:,}; eps {cfg.eps:g}. "
         "Shapes: B batch, T positions (decode: T = 1); a fused norm also takes and returns the residual "
-        "stream in the same shape.",
+        "stream in the same shape." + strided_note,
         "",
     ]
     main = [r for r in rows if r.group == "main" and r.norm_type == "rmsnorm"]
@@ -775,7 +883,12 @@ def render_page(cfg: ModelConfig, key: str, markdown: bool = False) -> str:
     out += ["", f"{h}Shapes"]
     out.append(f"in:  x [B batch, T positions, {w:,}]" + (" + residual [B, T, " + f"{w:,}]" if r.fused else ""))
     out.append(f"out: y [B batch, T positions, {w:,}]" + (" + residual [B, T, " + f"{w:,}]" if r.fused else ""))
-    out.append(f"decode (one position): [B, 1, {w:,}]")
+    stride = r.input_row_stride
+    if r.input_slice is not None and stride != w:
+        out.append(f"x (row stride {stride:,}): {r.input_slice.description}. y is contiguous.")
+    else:
+        out.append(f"x and y contiguous (row stride {w:,})")
+    out.append(f"decode (one position): [B, 1, {w:,}" + (f" of {stride:,}" if stride != w else "") + "]")
     out += ["", f"{h}Parameters", f"{_fmt(r.per_instance)} parameters per instance.", ""]
     rows = [["Learned gain γ", _fmt(w), _fmt(w)]]
     if r.norm_type == "layernorm":
