@@ -260,6 +260,8 @@ def test_kv_norm_stride_in_table_page_and_json(tmp_path, capsys):
     ({"dim": 64, "n_layers": True}, "must be an integer"),
     ({"dim": 0, "n_layers": 2}, "outside"),
     ({"hidden_size": 64, "num_hidden_layers": 2, "kv_lora_rank": 8, "rms_norm_eps": "x"}, "rms_norm_eps"),
+    ({"hidden_size": 64, "num_hidden_layers": 2, "kv_lora_rank": 8, "rms_norm_eps": 0},
+     r"rms_norm_eps' must be a number in \(0, 1\)"),
     ({"dim": 64, "n_layers": 10**9}, "outside"),
 ])
 def test_bad_configs_are_refused(bad, msg):
@@ -285,6 +287,13 @@ def test_site_names_resolve():
         assert resolve_site(name, cfg) == "q_norm"
     assert resolve_site("enorm", cfg) == "mtp.enorm"
     assert resolve_site("model.norm", cfg) == "norm"
+    # Each block norm by its module path below the block, in either naming (the indexer's k_norm
+    # by its reference path attn.indexer.k_norm was unknown).
+    from dsnorm.sites import HF_SUFFIX, REF_SUFFIX
+
+    for key in REF_SUFFIX:
+        assert resolve_site(REF_SUFFIX[key], cfg) == key and resolve_site(HF_SUFFIX[key], cfg) == key
+    assert resolve_site("attn.indexer.k_norm", cfg) == "k_norm"
     with pytest.raises(ValueError, match="unknown site 'w_norm'"):
         resolve_site("w_norm", cfg)
 

@@ -176,8 +176,9 @@ def config_from_dict(d: dict, source: str = "<dict>") -> ModelConfig:
         n_mtp = _field(d, "num_nextn_predict_layers", source, 0, allow_none=True)
         mtp_stated = True
         eps = d.get("rms_norm_eps", REFERENCE_EPS)
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < 1:
-            raise ValueError(f"{source}: config field 'rms_norm_eps' must be a number in [0, 1), got {eps!r}")
+        # eps > 0, as dsnorm's own eps (a zero row would divide by 0).
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
+            raise ValueError(f"{source}: config field 'rms_norm_eps' must be a number in (0, 1), got {eps!r}")
         eps = float(eps)
         freq = _field(d, "moe_layer_freq", source, 1, minimum=1)
         fmt = "huggingface"
@@ -826,6 +827,8 @@ _ALIASES = {
     "self_attn.kv_a_layernorm": "kv_norm", "indexer.k_norm": "k_norm", "enorm": "mtp.enorm", "hnorm": "mtp.hnorm",
     "shared_head.norm": "mtp.shared_head.norm",
 }
+# Every block norm's module path below the block, in both namings (attn.indexer.k_norm, ...).
+_ALIASES.update({suffix: key for key, ref, hf in _BLOCK_NORMS for suffix in (ref, hf) if suffix != key})
 
 
 def resolve_site(name: str, cfg: ModelConfig) -> str:
