@@ -526,13 +526,7 @@ def test_fusion_kernels_cache_is_invalidated_with_cpu_py():
 def _kernel_calls_with_literals(path):
     """``(caller, callee, line)`` for each call from one ``@_kernel`` function to another that
     passes a literal argument."""
-    with open(path) as f:
-        tree = ast.parse(f.read())
-    kernels = {
-        node.name: node for node in tree.body
-        if isinstance(node, ast.FunctionDef) and any(
-            isinstance(d, ast.Call) and getattr(d.func, "id", None) == "_kernel" for d in node.decorator_list)
-    }
+    kernels = {name: node for name, (node, _) in _kernel_definitions(path).items()}
     names = set(kernels) | {"_forward_rows"}  # cpu_fusions calls cpu's as cpu._forward_rows
     found = []
     for caller, node in kernels.items():

@@ -41,6 +41,7 @@ Why the kernels look the way they do:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import warnings
@@ -1140,23 +1141,28 @@ _compile_lock = threading.Lock()
 _compiled: set = set()
 
 
-def _run(kernel, key, *args) -> None:
-    """Call a kernel; its first call per specialisation compiles with SLP vectorisation on.
-
-    numba leaves LLVM's SLP vectoriser off by default (numba issue 8705); the sum's explicit
-    per-lane accumulators need it to land in vector registers. The flag is read when a module is
-    optimised, so it is switched on only around dsnorm's own compilations (or cache loads).
-    """
-    if (kernel, key) in _compiled:
-        kernel(*args)
-        return
+@contextlib.contextmanager
+def _compiling():
+    """Hold the compile lock with SLP vectorisation on: numba leaves LLVM's SLP vectoriser off by
+    default (numba issue 8705); the sum's explicit per-lane accumulators need it to land in vector
+    registers. The flag is read when a module is optimised, so it is switched on only around
+    dsnorm's own compilations (or cache loads)."""
     with _compile_lock:
         previous = numba.config.SLP_VECTORIZE
         numba.config.SLP_VECTORIZE = 1
         try:
-            kernel(*args)
+            yield
         finally:
             numba.config.SLP_VECTORIZE = previous
+
+
+def _run(kernel, key, *args) -> None:
+    """Call a kernel; its first call per specialisation compiles under :func:`_compiling`."""
+    if (kernel, key) in _compiled:
+        kernel(*args)
+        return
+    with _compiling():
+        kernel(*args)
         _compiled.add((kernel, key))
 
 
@@ -1214,15 +1220,10 @@ def _first_run(kernel, entries: dict, x64: bool, scratch_arg: int, *args) -> Non
 
 def compiled_address(kernel, signature: tuple) -> int:
     """The machine-code address of ``kernel`` compiled for the argument types ``signature``, for a
-    call by address (``_by_address``): compiled, or loaded from numba's cache, with SLP
-    vectorisation on as in :func:`_run`. Not to be called while ``_compile_lock`` is held."""
-    with _compile_lock:
-        previous = numba.config.SLP_VECTORIZE
-        numba.config.SLP_VECTORIZE = 1
-        try:
-            kernel.compile(signature)
-        finally:
-            numba.config.SLP_VECTORIZE = previous
+    call by address (``_by_address``): compiled, or loaded from numba's cache, under
+    :func:`_compiling` as in :func:`_run`. Not to be called while ``_compile_lock`` is held."""
+    with _compiling():
+        kernel.compile(signature)
     overload = kernel.overloads[signature]
     if overload.signature.return_type != types.none:
         # The call is emitted with a None return slot: a wider return value would overrun it.

@@ -138,13 +138,18 @@ def _fused_fp8_impl(x, residual, weight, eps, scale_fmt, block_size, return_norm
     return q, scales, residual_out, y
 
 
+def _check_final_residual(residual, h):
+    """final_norm's residual, of either form (last_only or not): h's shape, device and dtype."""
+    ops.check_residual(residual, h, None, fp32_hint=False, mixed=False, x_name="h", why="the fusions take h's dtype")
+
+
 def _check_final(h, residual, weight, eps, lengths):
     ops.check_input(h, "h")
     if h.dim() != 3:
         raise ValueError(f"h must be [batch, seq, dim] (3-D), got shape {tuple(h.shape)}")
     if h.shape[1] == 0:
         raise ValueError(f"h must have at least one position (seq >= 1), got shape {tuple(h.shape)}")
-    ops.check_residual(residual, h, None, fp32_hint=False, mixed=False, x_name="h", why="the fusions take h's dtype")
+    _check_final_residual(residual, h)
     ops.check_weight(weight, h, "h")
     ops.check_options(eps, "deepseek")
     if lengths is not None:
@@ -487,9 +492,7 @@ def final_norm(
                              "last_only=False every position is normalised")
         from dsnorm.autograd import fused_add_rms_norm
 
-        # The residual rule of last_only=True (h's dtype), which the core form would widen.
-        ops.check_residual(residual, h, None, fp32_hint=False, mixed=False, x_name="h",
-                           why="the fusions take h's dtype")
+        _check_final_residual(residual, h)  # the core form would widen an fp32 residual
         return fused_add_rms_norm(h, residual, w, eps)
     if _direct(h, residual, w) and (lengths is None or _direct(lengths)):
         return _final_impl(h, residual, w, eps, lengths)

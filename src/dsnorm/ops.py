@@ -140,15 +140,14 @@ def check_options(eps, cast, residual_rounding="fp32_sum", residual_dtype=None) 
 
 def check_inplace_options(eps, cast, residual_rounding, x: torch.Tensor, residual: torch.Tensor) -> None:
     """``check_options`` for the in-place form, which has no ``residual_dtype``: its residual
-    buffer's dtype says whether the stream is fp32, and the contradiction is named in those terms."""
+    buffer's dtype says whether the stream is fp32 (its other options are ``check_options``'s
+    without a residual_dtype), and the contradiction is named in those terms."""
     check_options(eps, cast, residual_rounding)
-    if residual.dtype != x.dtype:
-        if residual_rounding == "round_first":
-            raise ValueError(
-                f"residual_rounding='round_first' with a {residual.dtype} residual buffer beside x's {x.dtype} is "
-                "contradictory: round_first rounds the residual stream to x.dtype; pass a residual of x's dtype "
-                "(or residual_rounding='fp32_sum' to keep an fp32 stream)")
-        check_options(eps, cast, residual_rounding, torch.float32)
+    if residual.dtype != x.dtype and residual_rounding == "round_first":
+        raise ValueError(
+            f"residual_rounding='round_first' with a {residual.dtype} residual buffer beside x's {x.dtype} is "
+            "contradictory: round_first rounds the residual stream to x.dtype; pass a residual of x's dtype "
+            "(or residual_rounding='fp32_sum' to keep an fp32 stream)")
 
 
 def is_dtensor(t) -> bool:

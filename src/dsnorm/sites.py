@@ -408,9 +408,14 @@ class InputSlice:
         return {f: getattr(self, f) for f in self.__dataclass_fields__}
 
 
+def _input_row_stride(width: int, input_slice: Optional[InputSlice]) -> int:
+    """Elements from one input row to the next: the producing output's width for a sliced input."""
+    return input_slice.output_width if input_slice is not None else width
+
+
 def _input_keys(width: int, input_slice: Optional[InputSlice]) -> dict[str, Any]:
     """The input-layout keys of a site's or a summary row's JSON (added after the original keys)."""
-    stride = input_slice.output_width if input_slice is not None else width
+    stride = _input_row_stride(width, input_slice)
     return {
         "input_row_stride": stride, "input_contiguous": stride == width,
         "input_slice_of": input_slice.to_dict() if input_slice is not None else None,
@@ -469,7 +474,7 @@ class Site:
         """Elements from one row of ``x`` to the next: the producing output's width for a sliced input
         (``kv_norm``: ``kv_lora_rank + qk_rope_head_dim``), else ``width`` (contiguous). The output
         ``y`` (and a fused norm's residual) is always contiguous."""
-        return self.input_slice.output_width if self.input_slice is not None else self.width
+        return _input_row_stride(self.width, self.input_slice)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -587,7 +592,7 @@ class SiteSummary:
     @property
     def input_row_stride(self) -> int:
         """As :attr:`Site.input_row_stride`: elements between consecutive rows of the input."""
-        return self.input_slice.output_width if self.input_slice is not None else self.width
+        return _input_row_stride(self.width, self.input_slice)
 
     @property
     def form(self) -> str:
@@ -821,13 +826,12 @@ def render_table(cfg: ModelConfig, markdown: bool = False) -> str:
 
 
 _ALIASES = {
-    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "q_a_layernorm": "q_norm",
-    "kv_a_layernorm": "kv_norm", "final": "norm", "final_norm": "norm", "model.norm": "norm",
-    "attn.q_norm": "q_norm", "attn.kv_norm": "kv_norm", "self_attn.q_a_layernorm": "q_norm",
-    "self_attn.kv_a_layernorm": "kv_norm", "indexer.k_norm": "k_norm", "enorm": "mtp.enorm", "hnorm": "mtp.hnorm",
+    "q_a_layernorm": "q_norm", "kv_a_layernorm": "kv_norm", "final": "norm", "final_norm": "norm",
+    "model.norm": "norm", "indexer.k_norm": "k_norm", "enorm": "mtp.enorm", "hnorm": "mtp.hnorm",
     "shared_head.norm": "mtp.shared_head.norm",
 }
-# Every block norm's module path below the block, in both namings (attn.indexer.k_norm, ...).
+# Every block norm's module path below the block, in both namings (input_layernorm, attn.q_norm,
+# self_attn.kv_a_layernorm, attn.indexer.k_norm, ...).
 _ALIASES.update({suffix: key for key, ref, hf in _BLOCK_NORMS for suffix in (ref, hf) if suffix != key})
 
 
