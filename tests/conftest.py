@@ -108,3 +108,35 @@ def count_lane_calls(monkeypatch) -> list:
             return _f(*args)
         monkeypatch.setattr(ops, name, counted)
     return calls
+
+
+# Hypothesis (tests/test_properties.py): the profile is DSNORM_HYPOTHESIS ("ci" by default, or
+# "long") and the seed DSNORM_HYPOTHESIS_SEED (39 in "ci"; a fresh one per run in "long"). Both are
+# settled here in the controlling process, before xdist starts its workers, which inherit them
+# through the environment; the seed is printed at the start and the end so that a failure replays.
+def pytest_configure(config):
+    import os
+    import random
+
+    if not hasattr(config, "workerinput"):
+        profile = os.environ.setdefault("DSNORM_HYPOTHESIS", "ci")
+        os.environ.setdefault("DSNORM_HYPOTHESIS_SEED", "39" if profile == "ci" else str(random.randrange(2**32)))
+
+
+def _hypothesis_line() -> str:
+    import os
+
+    profile, seed = os.environ["DSNORM_HYPOTHESIS"], os.environ["DSNORM_HYPOTHESIS_SEED"]
+    return (f"property tests: hypothesis profile {profile}, seed {seed} "
+            f"(replay: DSNORM_HYPOTHESIS={profile} DSNORM_HYPOTHESIS_SEED={seed})")
+
+
+def pytest_sessionstart(session):
+    # Not pytest_report_header: the README's command runs with -q, which hides the header.
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None and not hasattr(session.config, "workerinput"):
+        reporter.write_line(_hypothesis_line())
+
+
+def pytest_terminal_summary(terminalreporter):
+    terminalreporter.write_line(_hypothesis_line())

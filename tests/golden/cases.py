@@ -62,14 +62,15 @@ def _values(fill: str, count: int, dtype: torch.dtype, rng: np.random.Generator,
     elif fill == "arange":  # small exact values, for lengths and readable cases
         v = np.arange(count, dtype=wide)
     else:
-        v = (rng.standard_normal(count) * scale).astype(wide)
+        with np.errstate(over="ignore"):  # huge rows: values past the dtype's range become inf
+            v = (rng.standard_normal(count) * scale).astype(wide)
     t = torch.from_numpy(v).to(dtype)  # fp32 -> bf16/fp16: one round to nearest even
     if fill == "special":  # a quarter of the elements replaced by special values
         specials = torch.tensor(_special_values(dtype), dtype=torch.float64).to(dtype)
         where = rng.random(count) < 0.25
         pick = rng.integers(0, len(specials), count)
         t[torch.from_numpy(where)] = specials[torch.from_numpy(pick)][torch.from_numpy(where)]
-    elif fill in ("nanrow", "infrow"):  # one special element in an otherwise normal row
+    elif fill in ("nanrow", "infrow") and count:  # one special element in an otherwise normal row
         t[int(rng.integers(0, max(count, 1)))] = float("nan") if fill == "nanrow" else float("inf")
     return t
 
