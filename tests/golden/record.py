@@ -87,9 +87,14 @@ def record() -> None:
             new_cases.append({"recipe": recipe, "result": results[caps[0]]})
         else:
             new_cases.append({"recipe": recipe, "by_capability": results})
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True,
+    # The code recorded: the last commit that changed src/ (and whether src/ has changes on top).
+    git = ["git", "-C", str(HERE)]
+    commit = subprocess.run([*git, "log", "-1", "--format=%h", "--", "../../src"], capture_output=True,
                             text=True).stdout.strip()
-    golden = {"meta": {"capabilities": caps, "commit": commit, "torch": torch.__version__,
+    dirty = subprocess.run([*git, "status", "--porcelain", "--", "../../src"], capture_output=True,
+                           text=True).stdout.strip()
+    golden = {"meta": {"capabilities": caps, "src_commit": commit + ("+changes" if dirty else ""),
+                       "torch": torch.__version__,
                        "numba": numba.__version__, "count": len(new_cases),
                        "recorded": datetime.date.today().isoformat()},
               "cases": new_cases}
