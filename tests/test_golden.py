@@ -31,8 +31,10 @@ X86 = platform.machine().lower() in ("x86_64", "amd64")
 
 def _report(diffs: list, capability: str) -> str:
     kinds = collections.Counter(recipe["kind"] for _, recipe, _, _ in diffs)
+    meta = GOLDEN["meta"]
     lines = [f"{len(diffs)} of {len(GOLDEN['cases'])} golden cases changed under {capability} "
-             f"(by kind: {dict(kinds)}); the first of them:"]
+             f"(by kind: {dict(kinds)}; recorded from src at {meta['src_commit']} with torch {meta['torch']}, "
+             f"now torch {torch.__version__}); the first of them:"]
     for i, recipe, want, got in diffs[:25]:
         lines += [f"case {i}: {json.dumps(recipe, sort_keys=True)}", f"  recorded: {json.dumps(want, sort_keys=True)}",
                   f"  now:      {json.dumps(got, sort_keys=True)}"]

@@ -453,7 +453,8 @@ def test_final_norm_is_the_last_position_of_the_fused_norm(dtype, batch, seq, wi
     weight = make({"shape": [width], "dtype": "fp32", "seed": s + 2})
     last = [data.draw(st.integers(1, seq)) for _ in range(batch)] if lengths else [seq] * batch
     with torch.no_grad():
-        y, r = dsnorm.final_norm(h, residual, weight, lengths=torch.tensor(last, dtype=torch.int64) if lengths else None)
+        given_lengths = torch.tensor(last, dtype=torch.int64) if lengths else None
+        y, r = dsnorm.final_norm(h, residual, weight, lengths=given_lengths)
         y_all, r_all = dsnorm.fused_add_rms_norm(h, residual, weight)
     index = torch.tensor(last, dtype=torch.int64) - 1
     rows = torch.arange(batch)
