@@ -309,12 +309,13 @@ def _run(thunk):
        mode=st.sampled_from(("no_grad", "inference")))
 def test_fast_lane_declines_what_the_checks_refuse_and_agrees_with_the_general_path(form, data, mode):
     call = data.draw(core_calls(form, faulty=0.5))
+    entry = data.draw(st.sampled_from(("function", "op") if form == "inplace" else ("function", "module", "op")))
     ctx = torch.no_grad if mode == "no_grad" else torch.inference_mode
     rr, rdt = call.get("residual_rounding", "fp32_sum"), call.get("residual_dtype")
     with ctx():
         x, residual, weight = build(call)
         with FastLane.disabled():
-            general, refusal = _run(lambda: public(call, x, residual, weight, "function"))
+            general, refusal = _run(lambda: public(call, x, residual, weight, entry))
         lx, lresidual, lweight = build(call)
         originals = fingerprint(lx, lresidual, lweight)
         taken = FastLane.attempt(form, lx, lresidual, lweight, call["eps"], call["cast"], rr, rdt)
