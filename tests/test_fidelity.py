@@ -344,7 +344,7 @@ def test_hf_cast_matches_transformers_bitwise():
 def test_hf_decoder_residual_add_is_hf_cast_with_round_first(dtype):
     # A Hugging Face decoder layer adds the residual in the model's dtype, then normalises:
     # ``residual = residual + h; y = norm(residual)``. That is the fused form with both named
-    # options, bit for bit (README's compatibility footnote); the defaults differ.
+    # options, bit for bit (docs/semantics.md, "Compatibility options"); the defaults differ.
     modeling = pytest.importorskip("transformers.models.deepseek_v3.modeling_deepseek_v3")
     hf = modeling.DeepseekV3RMSNorm(769, eps=1e-6)
     with torch.no_grad():
