@@ -862,3 +862,32 @@ def test_settle_option(monkeypatch):
     for bad in ("-1", "nan"):
         rc, _, err = run_cli(["bench", "--settle", bad, "--quick"])
         assert rc == 2 and "--settle" in err
+
+
+# benchmarks/contention_check.py, the acceptance check: an unmarked case of a loaded run
+# slower than 2x the idle run's, or a marked case in the idle run, is reported and fails it.
+def test_contention_check_script(quick, tmp_path):
+    import os
+
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks",
+                          "contention_check.py")
+    idle = json.loads(json.dumps(quick["json"]))
+    idle["cases"] = [_with_contention(c, False) for c in idle["cases"]]
+
+    def slowed(case, factor, contended):
+        rows = [dict(p, median_ms=p["median_ms"] * factor if p["median_ms"] else None) for p in case["providers"]]
+        return _with_contention(dict(case, providers=rows), contended)
+
+    def check(loaded):
+        paths = [tmp_path / "idle.json", tmp_path / "loaded.json"]
+        for path, data in zip(paths, (idle, loaded)):
+            path.write_text(json.dumps(data))
+        p = subprocess.run([sys.executable, script, *map(str, paths)], capture_output=True, text=True, timeout=60)
+        return p.returncode, p.stdout
+
+    marked = dict(idle, cases=[slowed(c, 50.0, True) for c in idle["cases"]])
+    rc, out = check(marked)
+    assert rc == 0 and "0 case(s) misleading" in out
+    unmarked = dict(idle, cases=[slowed(c, 50.0, i != 0) for i, c in enumerate(idle["cases"])])
+    rc, out = check(unmarked)
+    assert rc == 1 and "1 case(s) misleading" in out and "<-- misleading" in out
