@@ -692,6 +692,16 @@ def test_every_number_of_a_contended_case_carries_its_mark(quick):
                 marked = [c.rstrip(bench.NOISY_MARK).endswith(bench.CONTENDED_MARK) for c in _ratio_cells(line)]
                 assert all(marked) if case["contention"]["contended"] else not any(marked), line
         assert f"{bench.CONTENDED_MARK} contended ({(len(cases) + 1) // 2} of {len(cases)} cases" in text
+    # --full: each provider row's median and its speed-up over the reference carry the mark.
+    text = bench.format_table(result, full=True)
+    for case in cases:
+        block = text.split("\n" + case["name"] + "  ", 1)[1].split("\n\n", 1)[0].splitlines()[2:]
+        for p in case["providers"]:
+            if p["median_ms"] is None:
+                continue
+            (line,) = [ln for ln in block if ln.startswith(f"  {p['name']} ")]
+            marks = 1 + (p["speedup_vs_reference"] is not None)
+            assert line.count(bench.CONTENDED_MARK) == (marks if case["contention"]["contended"] else 0), line
     quiet = dict(result, cases=[_with_contention(c, False) for c in cases],
                  contention=dict(result["contention"], copy_contended=False))
     assert "contended (" not in bench.format_table(quiet)

@@ -1644,9 +1644,10 @@ def _full_body(result: dict, red: str, reset: str) -> list:
                 exact = p["max_ulp"] == 0 and p["residual_bitwise"] is not False
                 fid = "exact" if exact else "not exact"
             resid = {None: "-", True: "yes", False: "no"}[p["residual_bitwise"]]
-            cells = (p["name"], _fmt_time(p["median_ms"]) + (CONTENDED_MARK if _contended(case) else ""),
-                     _fmt(p["gbps"], ".2f"), _fmt(p["pct_copy"], ".1f"),
-                     _fmt(p["speedup_vs_reference"], ".2f"), resid, _fmt(p["max_ulp"], "d"),
+            mark = CONTENDED_MARK if _contended(case) else ""
+            x_ref = p["speedup_vs_reference"]
+            cells = (p["name"], _fmt_time(p["median_ms"]) + mark, _fmt(p["gbps"], ".2f"), _fmt(p["pct_copy"], ".1f"),
+                     "-" if x_ref is None else f"{x_ref:.2f}{mark}", resid, _fmt(p["max_ulp"], "d"),
                      _fmt_pct(p["pct_bitwise"]), fid)
             text = row_text(cells)
             extra = []
