@@ -269,6 +269,19 @@ def test_expectation_sources(tmp_path, capsys):
 
 
 
+# Kills: "naming: huggingface" printed above "expectation: ... (reference names)": the checkpoint's
+# tensor names and the config's field names, each called "names", read as a contradiction.
+def test_count_names_what_it_compared(tmp_path, capsys):
+    hf_checkpoint(tmp_path, cfg=None)
+    assert cli.main(["count", str(tmp_path)]) == 1  # the built-in 671B config (reference field names)
+    out = capsys.readouterr().out
+    assert "tensor names: huggingface" in out
+    flat = " ".join(out.split())
+    assert ("compared with: the norm sites of built-in config_671B_v3.2.json (a config with reference field names), "
+            "as huggingface tensor names") in flat
+    assert "naming:" not in out and "(reference names)" not in out
+
+
 def test_count_json_must_not_replace_what_it_reads(tmp_path, capsys):
     # Found by review: --json onto the checkpoint file replaced it with the report (exit 1).
     hf_checkpoint(tmp_path)

@@ -63,6 +63,31 @@ def test_tiny_deepseek_v3_bf16_logits_bitwise(ids):
     assert "replaced 13 norm(s), left 0" in str(rep)
 
 
+# Kills: the report repeating one 300-character explanation for each of the 13 modules (issue 40).
+def test_report_groups_modules_and_gives_detail_on_request():
+    model = tiny_deepseek_v3()
+    rep = patch(model)
+    text = str(rep)
+    (reason,) = {e.reason for e in rep.replaced}
+    flat = " ".join(text.split())
+    assert flat.count(" ".join(reason.split())) == 1 and "replaced 13 DeepseekV3RMSNorm" in flat
+    assert max(len(line) for line in text.splitlines()) <= 120
+    assert "model.layers.{0-2}.input_layernorm" in flat and "model.norm" in flat
+    detail = rep.format(detail=True).splitlines()
+    assert detail[0] == text.splitlines()[0] == "replaced 13 norm(s), left 0"
+    assert [line.split()[1] for line in detail[1:]] == [e.name for e in rep.replaced]
+    assert all(reason in line for line in detail[1:])
+    # Modules left alone are grouped the same way, by class and reason.
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+
+    mixed = nn.ModuleDict({f"g{i}": GemmaRMSNorm(8) for i in range(3)})
+    mixed["keep"] = RMSNormRef(8)
+    rep = patch(mixed)
+    text = str(rep)
+    assert "left 3 GemmaRMSNorm" in text and "g{0-2}" not in text and "g0, g1, g2" in text
+    assert "replaced 1 RMSNormRef (dim 8; eps 1e-06) with cast='deepseek'" in text
+
+
 def test_the_logit_check_can_fail(ids):
     # The same swap with the reference cast order changes the bf16 logits: the test above is not vacuous.
     model = tiny_deepseek_v3()

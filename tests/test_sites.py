@@ -221,18 +221,22 @@ def test_bad_qk_rope_head_dim_is_refused_by_name(bad, base):
 
 
 def test_kv_norm_stride_in_table_page_and_json(tmp_path, capsys):
-    for argv in (["sites"], ["sites", "--markdown"]):
+    for argv in (["sites", "--wide"], ["sites", "--markdown"], ["sites"]):
         assert cli.main(argv) == 0
         out = capsys.readouterr().out
-        assert "qk_rope_head_dim 64" in out
-        lines = [ln for ln in out.splitlines() if " of " in ln and "[B, T," in ln and "->" in ln]
-        # kv_norm's row and the MTP block's, nothing else; the output stays [B, T, 512].
-        assert len(lines) == 2 and all("[B, T, 512 of 576] -> [B, T, 512]" in ln for ln in lines), lines
-        assert all("kv_norm" in ln for ln in lines)
-        assert "rows 576 elements apart, not copied" in out and "kv_a_proj_with_mqa" in out
+        flat = " ".join(out.split())  # the default text wraps its prose
+        assert "qk_rope_head_dim 64" in flat
+        if argv == ["sites"]:  # the input width alone, in a table that fits 120 columns
+            lines = [ln for ln in out.splitlines() if "512 of 576" in ln and "kv_norm" in ln]
+        else:
+            lines = [ln for ln in out.splitlines() if " of " in ln and "[B, T," in ln and "->" in ln]
+            # kv_norm's row and the MTP block's, nothing else; the output stays [B, T, 512].
+            assert all("[B, T, 512 of 576] -> [B, T, 512]" in ln for ln in lines), lines
+        assert len(lines) == 2 and all("kv_norm" in ln for ln in lines), lines
+        assert "rows 576 elements apart, not copied" in flat and "kv_a_proj_with_mqa" in flat
     assert cli.main(["sites", "--site", "kv_a_layernorm"]) == 0
-    page = capsys.readouterr().out
-    for text in ("in:  x [B batch, T positions, 512]", "x (row stride 576): the first 512 of the 576 columns",
+    page = " ".join(capsys.readouterr().out.split())
+    for text in ("in: x [B batch, T positions, 512]", "x (row stride 576): the first 512 of the 576 columns",
                  "decode (one position): [B, 1, 512 of 576]", "y is contiguous", "strided view the split returns"):
         assert text in page, text
     assert "x and y contiguous (row stride 1,536)" in render_page(load_config(), "q_norm")
@@ -243,7 +247,7 @@ def test_kv_norm_stride_in_table_page_and_json(tmp_path, capsys):
     assert data["config"]["qk_rope_head_dim"] == 32
     row = next(r for r in data["summary"] if r["key"] == "kv_norm")
     assert row["input_row_stride"] == 544 and row["input_slice_of"]["output_width"] == 544
-    assert cli.main(["sites", "--config", str(cfg)]) == 0
+    assert cli.main(["sites", "--config", str(cfg), "--wide"]) == 0
     assert "[B, T, 512 of 544] -> [B, T, 512]" in capsys.readouterr().out
     # With no rotary key nothing is strided: no "of" in the table, no note.
     cfg.write_text(json.dumps({**HF_671B, "qk_rope_head_dim": 0}))
@@ -311,12 +315,41 @@ def test_q_norm_page():
 
 def test_cli_default_totals(capsys):
     assert cli.main(["sites"]) == 0
-    out = capsys.readouterr().out
+    out = " ".join(capsys.readouterr().out.split())  # lines are wrapped to 120 columns
     assert "final norm: 7,168" in out
     assert "× 58 MoE blocks = 89,088" in out and "× 61 blocks = 93,696" in out
     assert "61 × (7,168 + 7,168 + 1,536 + 512) + 7,168 = 1,006,592 in 245 instances" in out
     assert "model.layers.61.enorm" in out and "model.layers.61.shared_head.norm" in out
     assert "LayerNorm (weight + bias)" in out
+
+
+# Kills: the default table 170 columns wide, its preamble one 550-character line (issue 40).
+@pytest.mark.parametrize("config", [None, "hf"])
+def test_cli_default_output_fits_120_columns(config, tmp_path, capsys):
+    argv = ["sites"]
+    if config == "hf":
+        path = tmp_path / "config.json"
+        path.write_text(json.dumps(HF_671B))
+        argv += ["--config", str(path)]
+    pages = []
+    for extra in ([], ["--site", "kv_norm"], ["--site", "attn_norm"], ["--site", "mtp.enorm"], ["--site", "k_norm"]):
+        assert cli.main(argv + extra) == 0
+        pages.append(capsys.readouterr().out)
+    for out in pages:
+        assert max(len(line) for line in out.splitlines()) <= 120, max(out.splitlines(), key=len)
+    # The paths in the config's naming; the MTP rows (no reference module) in Hugging Face's.
+    table = pages[0]
+    assert ("model.layers.{i}.self_attn.q_a_layernorm" in table) == (config == "hf")
+    assert ("layers.{i}.attn.q_norm " in table) == (config is None)
+    assert "model.layers.61.self_attn.kv_a_layernorm" in table
+    # --wide and Markdown keep every column: both namings, shapes, the dense / MoE counts.
+    for extra in (["--wide"], ["--markdown"]):
+        assert cli.main(argv + extra) == 0
+        out = capsys.readouterr().out
+        for text in ("reference path", "Hugging Face path", "in -> out", "dense", "MoE",
+                     "layers.{i}.attn.q_norm", "model.layers.{i}.self_attn.q_a_layernorm"):
+            assert text in out, (extra, text)
+    assert max(len(line) for line in out.splitlines()) > 120  # Markdown rows are not wrapped
 
 
 def test_cli_markdown_json_site_and_config(tmp_path, capsys):

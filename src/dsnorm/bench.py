@@ -40,17 +40,25 @@ Method notes:
   ``composition`` (role ``baseline``: the same outputs from dsnorm's unfused calls); both are
   verified against the same outputs from :mod:`dsnorm.ref`'s formulas.
 * A row whose median is over ``NOISY_RATIO`` times its fastest call is ``noisy``; a ratio involving
-  one is marked so in the summary and in ``dsnorm_speedup_noisy``. Calls stalled throughout (all
-  providers slowed by another process) are not detectable that way: the load average at the start
-  and at the end is kept; above half the cores at the start, the table says so.
+  one is marked ``NOISY_MARK`` in the table and listed in ``dsnorm_speedup_noisy``.
+* Calls stalled throughout (another process holding a core stalls every parallel region for a
+  scheduler slice, so median and fastest call agree) are caught by :mod:`dsnorm.contention`: each
+  case's timing window is judged from ``/proc/stat`` and ``/proc/pressure/cpu``; a contended case is
+  timed again (``Settings.attempts`` in all), and one still contended keeps its least contended
+  attempt and is marked ``CONTENDED_MARK`` everywhere its numbers appear (table, ratios, PNG).
+  ``dsnorm bench`` first waits up to ``--settle`` seconds for other work to stop.
 
 JSON (``--json``): top level ``machine`` (``cpu``, ``threads``, ``torch``, ``numba``, ``triton``
 and more), ``copy_gbps``, ``cases``, plus ``fidelity_ok``, ``elapsed_s``, ``compile_startup_s``,
 ``byte_model``, ``timing`` (in words) and ``settings`` (its numbers), ``input_seed``, ``filters``
-(the ``--cases`` / ``--providers`` texts; ``dsnorm bench`` only); ``machine`` also holds
+(the ``--cases`` / ``--providers`` texts; ``dsnorm bench`` only), ``contention`` (``rule``,
+``limits``, ``detectable``, ``settle``: the wait at the start or None, ``copy_contended``,
+``cases_contended``); ``machine`` also holds
 ``numba_threads`` and ``numba_threading_layer`` on CPU. Each case: ``name``, ``shape``, ``form``
 (plain / fused / in-place), ``providers`` and ``site``, ``direction``, ``layout``, ``bytes``,
-``fidelity_rule``, ``dsnorm_speedup`` (time of each provider / time of dsnorm;
+``fidelity_rule``, ``contention`` (:func:`measure_uncontended`'s judgement of the window kept:
+``contended``, ``attempts``, ``seconds``, ``others_share``, ``pressure_share``; None for a fusion
+that failed before it was timed), ``dsnorm_speedup`` (time of each provider / time of dsnorm;
 ``dsnorm_speedup_graph`` the same under CUDA graphs; ``dsnorm_speedup_noisy`` which of the ratios
 involve a noisy row). Each provider: ``name``, ``bytes`` (its byte model; the floor row's own),
 ``median_ms``, ``gbps``, ``pct_copy``, ``speedup_vs_reference``, ``residual_bitwise`` (None in the
@@ -82,8 +90,10 @@ from typing import Callable, Optional
 import torch
 
 import dsnorm
+from dsnorm import contention
 from dsnorm.ref import EPS, RMSNormRef, rms_norm_backward_ref
 from dsnorm.sites import output_path_problem, same_file, write_output
+from dsnorm.terminal import split_table, wrap
 
 # DeepSeek-V3.2-Exp widths: hidden size, query latent (q_lora_rank), key-value latent
 # (kv_lora_rank) and the row it is sliced from (kv_lora_rank + qk_rope_head_dim).
@@ -116,6 +126,8 @@ JSON_PROVIDER_KEYS = (
 
 # A row whose median exceeds this many times its fastest call is flagged as noisy.
 NOISY_RATIO = 3.0
+# How long `dsnorm bench` waits at most, by default, for other work on the CPUs to stop (--settle).
+SETTLE_S = 30.0
 
 # Widths up to which dsnorm's CPU kernels reproduce torch's reduction order bit for bit.
 BITWISE_MAX_WIDTH = 16384
@@ -764,7 +776,8 @@ CUDA_ONLY = {"flashinfer", "liger", "quack"}
 @dataclass
 class Settings:
     """Repetition policy: each provider gets about ``budget_s`` of timed calls per case, between
-    ``min_reps`` and ``max_reps`` calls, split over ``rounds`` interleaved rounds."""
+    ``min_reps`` and ``max_reps`` calls, split over ``rounds`` interleaved rounds; a case timed
+    while other work shared the CPUs is timed again, ``attempts`` times in all at most."""
 
     budget_s: float
     min_reps: int
@@ -773,6 +786,7 @@ class Settings:
     rounds: int
     copy_mb: int
     copy_reps: int
+    attempts: int = 3
 
 
 DEFAULT = Settings(budget_s=0.25, min_reps=3, max_reps=2000, warmup=2, rounds=5, copy_mb=256, copy_reps=10)
@@ -861,6 +875,30 @@ def measure(runners: list, settings: Settings, device: torch.device, failures: O
                 del times[r.name]
         live = [r for r in live if r.name in times]  # a runner that raised is timed no more
     return {name: (statistics.median(ts), len(ts), min(ts)) for name, ts in times.items()}
+
+
+def measure_uncontended(runners: list, settings: Settings, device: torch.device, meter: contention.Meter,
+                        failures: Optional[dict] = None) -> tuple:
+    """:func:`measure`, watched by ``meter``: a window found contended (:func:`dsnorm.contention.judge`)
+    is measured again, ``settings.attempts`` times in all at most. Returns ``(medians, contention)``:
+    the first uncontended attempt's medians, else the least contended attempt's (lowest
+    ``others_share``), and that window's judgement with ``attempts`` (how many were made) added.
+    A runner that raises is dropped from later attempts (``failures`` names it)."""
+    best = None
+    for attempt in range(1, max(1, settings.attempts) + 1):
+        token = meter.start()
+        medians = measure(runners, settings, device, failures)
+        window = meter.stop(token)
+        if best is None or (window["others_share"] or 0.0) < (best[1]["others_share"] or 0.0):
+            best = (medians, window)
+        if window["contended"] is not True:
+            best = (medians, window)
+            break
+        if failures:
+            runners = [r for r in runners if r.name not in failures]
+    medians, window = best
+    medians = {name: m for name, m in medians.items() if not failures or name not in failures}
+    return medians, dict(window, attempts=attempt)
 
 
 # Calls captured in one CUDA graph when timing forward cases on CUDA.
@@ -974,12 +1012,13 @@ def _numba_threading_layer() -> Optional[str]:
 
 
 class _Context:
-    def __init__(self, device, quick, vllm_so):
+    def __init__(self, device, quick, vllm_so, meter: Optional[contention.Meter] = None):
         self.device = device
         self.quick = quick
         self._vllm_so = vllm_so
         self._vllm = None
         self.compile_startup_s = None
+        self.meter = meter or contention.Meter()
 
     def compile_startup(self):
         """Pay torch.compile's one-time start-up (imports, inductor's first build) on a tiny shape,
@@ -1159,7 +1198,7 @@ def run_case(case: Case, ctx: _Context, settings: Settings, progress: Progress, 
             runners.append(runner)
         progress.step(f"{case.name}: verified; timing {len(runners)} providers")
         failures: dict = {}
-        medians = measure(runners, settings, ctx.device, failures)
+        medians, window = measure_uncontended(runners, settings, ctx.device, ctx.meter, failures)
         _mark_failures(rows, failures)
         if ctx.device.type == "cuda" and not case.backward:
             graphed = {r.name: r for r in runners}
@@ -1206,6 +1245,7 @@ def run_case(case: Case, ctx: _Context, settings: Settings, progress: Progress, 
         "dsnorm_speedup": ratios,
         "dsnorm_speedup_noisy": ratios_noisy,
         "dsnorm_speedup_graph": ratios_graph,
+        "contention": window,
     }
     return out
 
@@ -1294,12 +1334,13 @@ def run_fusion_case(fc: dict, ctx: "_Context", settings: Settings, progress: Pro
         progress.step(f"{fc['name']}: verified")
         failures: dict = {}
         live = [runner for r, runner in zip(rows, (composed, fused)) if r["available"]]
-        medians = measure(live, settings, ctx.device, failures)
+        medians, window = measure_uncontended(live, settings, ctx.device, ctx.meter, failures)
     _mark_failures(rows, failures)
     for r in rows:
         if r["available"]:
             _record_timing(r, medians[r["name"]], fc["bytes"])
     out = _fusion_case_json(fc, ctx, rows)
+    out["contention"] = window
     if base_row["available"] and row["available"]:
         out["dsnorm_speedup"] = {COMPOSITION: medians[COMPOSITION][0] / medians[DSNORM][0]}
         out["dsnorm_speedup_noisy"] = {COMPOSITION: bool(base_row["noisy"] or row["noisy"])}
@@ -1312,6 +1353,7 @@ def _fusion_case_json(fc: dict, ctx, rows: list) -> dict:
         "direction": "forward", "layout": fc.get("layout", "contiguous"), "dtype": "bfloat16",
         "bytes": fc["bytes"], "fidelity_rule": "bitwise" if ctx.device.type == "cpu" else "reported",
         "providers": rows, "dsnorm_speedup": {}, "dsnorm_speedup_noisy": {}, "dsnorm_speedup_graph": {},
+        "contention": None,
     }
 
 
@@ -1321,26 +1363,64 @@ def fusion_cases(quick: bool, device: torch.device) -> list:
     return bench_cases(quick=quick, device=device.type)
 
 
+def settle(meter: contention.Meter, max_wait_s: float, stream=None) -> dict:
+    """Before timing: look for one second at what else runs on the CPUs; when other work holds
+    them (:func:`dsnorm.contention.judge`), say so on ``stream`` (stderr) and wait up to
+    ``max_wait_s`` seconds for it to stop (:meth:`~dsnorm.contention.Meter.settle`), then say
+    whether it did. Returns the settle record kept in the JSON (``max_wait_s`` added)."""
+    stream = stream or sys.stderr
+    first = meter.quiet_window(1.0)
+    record = {"max_wait_s": max_wait_s, "waited_s": first["seconds"], "settled": first["contended"] is not True,
+              "last": first}
+    if first["contended"] is not True:
+        return record
+    print(f"dsnorm bench: other work holds {_share(first['others_share'])} of the CPUs; waiting up to "
+          f"{max_wait_s:g}s for it to stop (--settle 0: do not wait)", file=stream, flush=True)
+    waited = meter.settle(max(0.0, max_wait_s - first["seconds"]))
+    record.update(waited_s=first["seconds"] + waited["waited_s"], settled=waited["settled"], last=waited["last"])
+    if record["settled"]:
+        print(f"dsnorm bench: the CPUs are quiet after {record['waited_s']:.0f}s; timing", file=stream, flush=True)
+    else:
+        print(f"dsnorm bench: still busy after {record['waited_s']:.0f}s (other work holds "
+              f"{_share(waited['last']['others_share'])} of the CPUs); timing anyway: a case timed under "
+              "contention is timed again, then marked", file=stream, flush=True)
+    return record
+
+
+def _share(x: Optional[float]) -> str:
+    return "?" if x is None else f"{100 * x:.0f}%"
+
+
 def bench(device: str = "cpu", quick: bool = False, backward: bool = False, cases: Optional[list] = None,
           vllm_so: Optional[str] = None, providers: Optional[set] = None, progress: bool = True,
-          settings: Optional[Settings] = None, fusions: Optional[list] = None) -> dict:
-    """Run the benchmark and return its JSON-ready result (see the module docstring)."""
+          settings: Optional[Settings] = None, fusions: Optional[list] = None,
+          meter: Optional[contention.Meter] = None, settle_s: float = 0.0) -> dict:
+    """Run the benchmark and return its JSON-ready result (see the module docstring). ``meter``
+    watches the CPUs while each case is timed (tests pass one with a fake reader); ``settle_s`` > 0
+    first waits up to that long for other work to stop (:func:`settle`)."""
     t_start = time.perf_counter()
     dev = torch.device(device)
     settings = settings or (QUICK if quick else DEFAULT)
     all_cases = default_cases(backward, QUICK_TOKENS if quick else PREFILL_TOKENS) if cases is None else cases
-    ctx = _Context(dev, quick, vllm_so)
+    ctx = _Context(dev, quick, vllm_so, meter)
     machine = machine_info(dev)
     fusion_list = fusion_cases(quick, dev) if fusions is None else fusions
+    settled = settle(ctx.meter, settle_s) if settle_s > 0 else None
     bar = Progress(2 * len(all_cases) + 2 * len(fusion_list) + 1, enabled=progress)
     # Copy bandwidth before and after the cases; the higher counts (a sample taken while another
-    # process ran is low, never high).
-    copy_samples = [copy_bandwidth(dev, settings.copy_mb, settings.copy_reps)]
-    bar.step(f"copy bandwidth {copy_samples[0]:.1f} GB/s")
+    # process ran is low, never high), and is contended only if both samples were.
+    def timed_copy() -> tuple:
+        token = ctx.meter.start()
+        gbps = copy_bandwidth(dev, settings.copy_mb, settings.copy_reps)
+        return gbps, ctx.meter.stop(token)["contended"]
+
+    copies = [timed_copy()]
+    bar.step(f"copy bandwidth {copies[0][0]:.1f} GB/s")
     results = [run_case(c, ctx, settings, bar, providers) for c in all_cases]
     results += [run_fusion_case(fc, ctx, settings, bar) for fc in fusion_list]
-    copy_samples.append(copy_bandwidth(dev, settings.copy_mb, settings.copy_reps))
-    copy_gbps = max(copy_samples)
+    copies.append(timed_copy())
+    copy_samples = [gbps for gbps, _ in copies]
+    copy_gbps, copy_contended = max(copies, key=lambda c: c[0])
     for case in results:
         for row in case["providers"]:
             if row["gbps"] is not None:
@@ -1374,7 +1454,20 @@ def bench(device: str = "cpu", quick: bool = False, backward: bool = False, case
         "input_seed": INPUT_SEED,
         "timing": (f"median of single calls, interleaved round robin over {settings.rounds} rounds, "
                    f"{settings.warmup} warm-up calls, ~{settings.budget_s}s per provider per case; "
-                   "in-place ops take a fresh input set from a pool each call (refilled untimed)"),
+                   "in-place ops take a fresh input set from a pool each call (refilled untimed); "
+                   f"a case timed while other work shared the CPUs is timed again, {settings.attempts} "
+                   "times in all at most, and marked contended if it still was"),
+        "contention": {
+            "rule": (f"contended: other work held >= {contention.OTHERS_LIMIT:.0%} of the CPUs (/proc/stat, "
+                     f"less this process's CPU time) and a task waited for a CPU >= {contention.PRESSURE_LIMIT:.0%} "
+                     "of the time (/proc/pressure/cpu, where present)"),
+            "limits": {"others_share": contention.OTHERS_LIMIT, "pressure_share": contention.PRESSURE_LIMIT},
+            "detectable": any(c["contention"] is not None and c["contention"]["contended"] is not None
+                              for c in results) or copy_contended is not None,
+            "settle": settled,
+            "copy_contended": copy_contended,
+            "cases_contended": sum(bool(c["contention"] and c["contention"]["contended"]) for c in results),
+        },
     }
 
 
@@ -1399,36 +1492,140 @@ def _fmt_time(ms):
     return f"{ms * 1e3:.1f} us" if ms < 1 else f"{ms:.2f} ms"
 
 
-def format_table(result: dict, color: bool = False) -> str:
-    """The human-readable report: one block per case, one row per provider, then the ratios."""
-    red, reset = ("\033[31m", "\033[0m") if color else ("", "")
+def _contended(case: dict) -> bool:
+    """Whether a case was still timed under contention after its attempts (JSON ``contention``)."""
+    return bool(case.get("contention") and case["contention"].get("contended"))
+
+
+def _fmt_ratio(v: float) -> str:
+    return f"{v:.0f}x" if v >= 100 else f"{v:.1f}x" if v >= 10 else f"{v:.2f}x"
+
+
+# Marks after a number: the case was timed under contention / one of the two medians is noisy.
+CONTENDED_MARK = "*"
+NOISY_MARK = "~"
+# Column labels of the ratios in the default table.
+_SHORT = {REFERENCE: "ref", COMPILED: "compile", "F.rms_norm": "F.rms", FLOOR: "add", COMPOSITION: "comp."}
+
+
+def _marked_ratio(case: dict, name: str, value: float) -> str:
+    return (_fmt_ratio(value) + (CONTENDED_MARK if _contended(case) else "")
+            + (NOISY_MARK if case.get("dsnorm_speedup_noisy", {}).get(name) else ""))
+
+
+def _header(result: dict) -> list:
+    m = result["machine"]
+    where = f"{m['gpu']}, host " if m.get("gpu") else ""
+    lines = wrap(f"dsnorm bench on {where}{m['cpu']} ({m['device']}, {m['threads']} threads, capability "
+                 f"{m['cpu_capability']}); torch {m['torch']}, numba {m['numba']}", "  ")
+    samples = ", ".join(f"{g:.1f}" for g in result.get("copy_gbps_samples", ()))
+    c = result.get("contention") or {}
+    copy_mark = CONTENDED_MARK if c.get("copy_contended") else ""
+    lines += wrap(f"copy bandwidth: {result['copy_gbps']:.1f} GB/s{copy_mark} (read + write; best of {samples} "
+                  "before/after)", "  ")
+    if result.get("compile_startup_s") is not None:
+        lines.append(f"torch.compile start-up (once, before the first case): {result['compile_startup_s']:.1f}s")
+    settled = c.get("settle")
+    if settled and settled["waited_s"] > 1.5:
+        lines += wrap(f"waited {settled['waited_s']:.0f}s for other work on the CPUs to stop"
+                      + ("" if settled["settled"] else " (it did not)"), "  ")
+    if c and not c.get("detectable"):
+        lines += wrap("contention cannot be detected here (no /proc/stat): a number timed while other work held "
+                      "the CPUs is not marked", "  ")
+    return lines
+
+
+def _failures(result: dict) -> list:
+    """``(case name, provider row)`` of every row that fails the run."""
+    return [(case["name"], p) for case in result["cases"] for p in case["providers"] if p["fidelity_ok"] is False]
+
+
+def _failure_text(p: dict) -> str:
+    if not p["available"]:
+        return p["reason"]
+    parts = [f"max ulp {p['max_ulp']}", f"{_fmt_pct(p['pct_bitwise'])}% bitwise"]
+    if p["residual_bitwise"] is not None:
+        parts.append("residual " + ("bitwise" if p["residual_bitwise"] else "NOT bitwise"))
+    if p.get("grad_max_rel_err"):
+        parts.append("gradient rel. err " + ", ".join(f"{k} {v:.1e}" for k, v in p["grad_max_rel_err"].items()))
+    return ", ".join(parts)
+
+
+def _not_timed(result: dict) -> list:
+    """Providers without a number, each reason once: ``provider: reason`` (with the cases it applies
+    to, where it does not apply to every case the provider has a row in)."""
+    seen: dict = {}
+    rows_of: dict = {}
+    for case in result["cases"]:
+        for p in case["providers"]:
+            rows_of.setdefault(p["name"], []).append(case["name"])
+            if not p["available"] and p["fidelity_ok"] is not False:
+                seen.setdefault((p["name"], p["reason"]), []).append(case["name"])
+    lines = []
+    for (name, reason), names in seen.items():
+        where = ""
+        if len(names) < len(rows_of[name]):
+            where = " (" + (", ".join(names) if len(names) <= 3 else f"{len(names)} cases") + ")"
+        lines += wrap(f"  {name}{where}: {reason}", "      ")
+    return lines
+
+
+def _compact_body(result: dict) -> list:
+    """One line per case: dsnorm's median and %copy, its verdict, and each peer's time over dsnorm's."""
+    order = [name for name, _ in PROVIDERS if name != DSNORM] + [COMPOSITION]
+    present = {k for case in result["cases"] for k in case["dsnorm_speedup"]}
+    peers = [n for n in order if n in present] + sorted(present - set(order))
+    headers = ["case", "dsnorm", "%copy", "check"] + [f"vs {_SHORT.get(n, n)}" for n in peers]
+    rows = []
+    for case in result["cases"]:
+        ds = next((p for p in case["providers"] if p["role"] == "dsnorm"), None)
+        mark = CONTENDED_MARK if _contended(case) else ""
+        median = _fmt_time(ds["median_ms"]) + mark if ds and ds["median_ms"] is not None else "-"
+        pct = _fmt(ds["pct_copy"], ".1f") if ds else "-"
+        check = "-" if ds is None else {True: "PASS", False: "FAIL", None: "-"}[ds["fidelity_ok"]]
+        ratios = case["dsnorm_speedup"]
+        rows.append([case["name"], median, pct, check]
+                    + [_marked_ratio(case, n, ratios[n]) if n in ratios else "" for n in peers])
+    lines = split_table(headers, rows, keep=1, right=[False, True, True, False] + [True] * len(peers))
+    graphed = [c for c in result["cases"] if c.get("dsnorm_speedup_graph")]
+    if graphed:
+        names = [n for n in order if any(n in c["dsnorm_speedup_graph"] for c in graphed)]
+        lines += ["", "the same under CUDA graphs (the GPU's own time per call):"]
+        lines += split_table(["case"] + [f"vs {_SHORT.get(n, n)}" for n in names],
+                             [[c["name"]] + [_fmt_ratio(c["dsnorm_speedup_graph"][n]) if n in c["dsnorm_speedup_graph"]
+                                             else "" for n in names] for c in graphed],
+                             keep=1, right=[False] + [True] * len(names))
+    lines.append("")
+    labels = ", ".join(f"{short} = {name}" for name, short in _SHORT.items() if name in peers)
+    lines += wrap("dsnorm: median time per call, and its GB/s (byte model: bench.case_bytes) as a share of the copy "
+                  "bandwidth (decode inputs stay in cache: it can pass 100); check: dsnorm against the reference "
+                  "(every provider's fidelity with --full); vs X: time of X / time of dsnorm (> 1: dsnorm faster; "
+                  f"vs the torch.add floor < 1 is expected); {labels}.")
+    missing = _not_timed(result)
+    if missing:
+        lines += ["not timed:"] + missing
+    return lines
+
+
+def _full_body(result: dict, red: str, reset: str) -> list:
+    """Every provider of every case: time, GB/s, %copy, speed-up over the reference, fidelity."""
     head = ("provider", "median", "GB/s", "%copy", "x ref", "resid==", "max ulp", "%bitwise", "fidelity")
     widths = (14, 10, 8, 6, 8, 7, 7, 8, 9)
     lines = []
-    m = result["machine"]
-    where = f"{m['gpu']}, host " if m.get("gpu") else ""
-    lines.append(f"dsnorm bench on {where}{m['cpu']} ({m['device']}, {m['threads']} threads, "
-                 f"capability {m['cpu_capability']}); torch {m['torch']}, numba {m['numba']}")
-    loads = [m.get("load_avg"), m.get("load_avg_end")]
-    # Judged by the load when the run started: the load at its end counts the run's own threads
-    # (on 2 cores a quiet run ends near 1.2), so it would flag every run.
-    under_load = loads[0] is not None and loads[0] >= 0.5 * (os.cpu_count() or 1)
-    if under_load:
-        lines.append(f"note: load average {_fmt(loads[0], '.2f')} when the run started ({_fmt(loads[1], '.2f')} at "
-                     "its end, its own threads included): other work shares the CPUs, timings are noisy")
-    samples = ", ".join(f"{g:.1f}" for g in result.get("copy_gbps_samples", ()))
-    lines.append(f"copy bandwidth: {result['copy_gbps']:.1f} GB/s (read + write; best of {samples} before/after)")
-    if result.get("compile_startup_s") is not None:
-        lines.append(f"torch.compile start-up (once, before the first case): {result['compile_startup_s']:.1f}s")
 
     def row_text(cells):
         return "  " + " ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
 
     for case in result["cases"]:
         lines.append("")
+        mark = ""
+        if _contended(case):
+            c = case["contention"]
+            mark = (f"  {CONTENDED_MARK} contended: timed {c['attempts']} times, other work held "
+                    f"{_share(c['others_share'])} of the CPUs")
         lines.append(f"{case['name']}  {case['shape']} {case['form']} {case['dtype']}"
                      + (f", {case['layout']}" if case["layout"] != "contiguous" else "")
-                     + f"  (dsnorm must be {case['fidelity_rule']})")
+                     + f"  (dsnorm must be {case['fidelity_rule']})" + mark)
         lines.append(row_text(head))
         for p in case["providers"]:
             if not p["available"]:
@@ -1447,8 +1644,10 @@ def format_table(result: dict, color: bool = False) -> str:
                 exact = p["max_ulp"] == 0 and p["residual_bitwise"] is not False
                 fid = "exact" if exact else "not exact"
             resid = {None: "-", True: "yes", False: "no"}[p["residual_bitwise"]]
-            cells = (p["name"], _fmt_time(p["median_ms"]), _fmt(p["gbps"], ".2f"), _fmt(p["pct_copy"], ".1f"),
-                     _fmt(p["speedup_vs_reference"], ".2f"), resid, _fmt(p["max_ulp"], "d"),
+            mark = CONTENDED_MARK if _contended(case) else ""
+            x_ref = p["speedup_vs_reference"]
+            cells = (p["name"], _fmt_time(p["median_ms"]) + mark, _fmt(p["gbps"], ".2f"), _fmt(p["pct_copy"], ".1f"),
+                     "-" if x_ref is None else f"{x_ref:.2f}{mark}", resid, _fmt(p["max_ulp"], "d"),
                      _fmt_pct(p["pct_bitwise"]), fid)
             text = row_text(cells)
             extra = []
@@ -1478,22 +1677,44 @@ def format_table(result: dict, color: bool = False) -> str:
     lines.append("dsnorm speedup (time of X / time of dsnorm; > 1: dsnorm faster; vs torch.add: < 1 is above the floor):")
     for case in result["cases"]:
         r = case["dsnorm_speedup"]
-        noisy = case.get("dsnorm_speedup_noisy", {})
         if r:
-            lines.append(f"  {case['name']:<30} " + ", ".join(
-                f"vs {k} {v:.2f}x" + (" (noisy)" if noisy.get(k) else "") for k, v in r.items()))
-    if any(any(case.get("dsnorm_speedup_noisy", {}).values()) for case in result["cases"]):
-        lines.append(f"(noisy): one of the two medians is over {NOISY_RATIO:g}x its fastest call; the ratio is not a measurement "
-                     "of the kernels")
-    if under_load:
-        lines.append("the CPUs were shared (see the load note at the top): a ratio can be a scheduler artefact, "
-                     "even one not marked noisy; rerun on a quiet machine, or with --threads 1")
+            lines.append(f"  {case['name']:<30} " + ", ".join(f"vs {k} {_marked_ratio(case, k, v)}" for k, v in r.items()))
     if any(case.get("dsnorm_speedup_graph") for case in result["cases"]):
         lines.append("the same under CUDA graphs (the GPU's own time per call):")
         for case in result["cases"]:
             r = case.get("dsnorm_speedup_graph")
             if r:
                 lines.append(f"  {case['name']:<30} " + ", ".join(f"vs {k} {v:.2f}x" for k, v in r.items()))
+    return lines
+
+
+def format_table(result: dict, color: bool = False, full: bool = False) -> str:
+    """The human-readable report. By default one line per case, fitting ``terminal.COLUMNS``:
+    dsnorm's median and %copy, its fidelity verdict and each peer's time over dsnorm's, then the
+    providers that were not timed, each reason once. ``full``: every provider of every case with
+    its fidelity, then the ratios. Either way a number timed under contention carries
+    ``CONTENDED_MARK`` and a ratio involving a noisy median ``NOISY_MARK``, explained below."""
+    red, reset = ("\033[31m", "\033[0m") if color else ("", "")
+    lines = _header(result)
+    if full:
+        lines += _full_body(result, red, reset)
+    else:
+        failing = tuple(name + " " for name, _ in _failures(result))
+        lines += [""] + [red + line + reset if failing and line.startswith(failing) else line
+                         for line in _compact_body(result)]
+    contended = [c for c in result["cases"] if _contended(c)]
+    copy = bool((result.get("contention") or {}).get("copy_contended"))
+    if contended or copy:
+        most = max((c["contention"]["attempts"] for c in contended), default=1)
+        lines += wrap(f"{CONTENDED_MARK} contended ({len(contended)} of {len(result['cases'])} cases"
+                      + (", and the copy bandwidth" if copy else "") + "): other work held the CPUs while it was "
+                      f"timed, still after {most} attempt(s) (dsnorm.contention): its numbers, and every ratio from "
+                      "them, may measure the scheduler, not the kernels; rerun on a quiet machine", "  ")
+    if any(any(case.get("dsnorm_speedup_noisy", {}).values()) for case in result["cases"]):
+        lines += wrap(f"{NOISY_MARK} noisy: one of the two medians is over {NOISY_RATIO:g}x its fastest call; the "
+                      "ratio is not a measurement of the kernels", "  ")
+    for name, p in _failures(result):
+        lines += [red + line + reset for line in wrap(f"FAIL {name}: {p['name']}: {_failure_text(p)}", "  ")]
     lines.append("")
     status = "all dsnorm rows meet the fidelity criterion" if result["fidelity_ok"] else \
         f"{red}FAIL: a dsnorm row misses the fidelity criterion{reset}"
@@ -1501,37 +1722,63 @@ def format_table(result: dict, color: bool = False) -> str:
     return "\n".join(lines)
 
 
-def plot_png(result: dict) -> bytes:
-    """A PNG bar chart: GB/s (byte model) of each provider for each case, log scale, with the
-    copy bandwidth as a horizontal line."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot_bars(result: dict) -> list:
+    """The bars of :func:`plot_png`: ``(provider, [(case index, GB/s, contended), ...])`` in the
+    table's provider order; a case timed under contention has its bars marked."""
     cases = result["cases"]
     order = [name for name, _ in PROVIDERS]
     names = sorted({p["name"] for c in cases for p in c["providers"] if p["available"] and p["gbps"]},
                    key=lambda n: order.index(n) if n in order else len(order))
-    fig, ax = plt.subplots(figsize=(max(8, 1.1 * len(cases) + 2), 5.5))
-    width = 0.8 / max(1, len(names))
-    cmap = plt.get_cmap("tab10")
-    for j, name in enumerate(names):
-        xs, ys = [], []
+    bars = []
+    for name in names:
+        points = []
         for i, c in enumerate(cases):
             p = next((p for p in c["providers"] if p["name"] == name and p["available"] and p["gbps"]), None)
             if p is not None:
-                xs.append(i - 0.4 + width * (j + 0.5))
-                ys.append(p["gbps"])
-        ax.bar(xs, ys, width, label=name, color=cmap(j % 10))
+                points.append((i, p["gbps"], _contended(c)))
+        bars.append((name, points))
+    return bars
+
+
+def plot_png(result: dict) -> bytes:
+    """A PNG bar chart: GB/s (byte model) of each provider for each case, log scale, with the
+    copy bandwidth as a horizontal line; bars of a case timed under contention are hatched and
+    faded, and the case's label starred."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    cases = result["cases"]
+    bars = plot_bars(result)
+    fig, ax = plt.subplots(figsize=(max(8, 1.1 * len(cases) + 2), 5.5))
+    width = 0.8 / max(1, len(bars))
+    cmap = plt.get_cmap("tab10")
+    for j, (name, points) in enumerate(bars):
+        labelled = False
+        for contended in (False, True):
+            pts = [(i, g) for i, g, c in points if c is contended]
+            if not pts:
+                continue
+            ax.bar([i - 0.4 + width * (j + 0.5) for i, _ in pts], [g for _, g in pts], width,
+                   label=None if labelled else name, color=cmap(j % 10),
+                   alpha=0.35 if contended else 1.0, hatch="//" if contended else None,
+                   edgecolor="black" if contended else None)
+            labelled = True
     ax.axhline(result["copy_gbps"], color="black", linestyle="--", linewidth=1,
                label=f"copy {result['copy_gbps']:.1f} GB/s")
+    handles, labels = ax.get_legend_handles_labels()
+    if any(_contended(c) for c in cases):
+        handles.append(Patch(facecolor="white", edgecolor="black", hatch="//"))
+        labels.append(f"{CONTENDED_MARK} contended: timed while other work held the CPUs")
     ax.set_yscale("log")
     ax.set_ylabel("GB/s (byte model)")
     ax.set_xticks(range(len(cases)))
-    ax.set_xticklabels([c["name"] for c in cases], rotation=35, ha="right", fontsize=8)
+    ax.set_xticklabels([c["name"] + (f" {CONTENDED_MARK}" if _contended(c) else "") for c in cases],
+                       rotation=35, ha="right", fontsize=8)
     ax.set_title(f"dsnorm bench: {result['machine']['cpu']}, {result['machine']['threads']} threads")
-    ax.legend(fontsize=8, ncol=2)
+    ax.legend(handles, labels, fontsize=8, ncol=2)
     fig.tight_layout()
     png = io.BytesIO()
     fig.savefig(png, format="png", dpi=110)
@@ -1556,6 +1803,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--providers", metavar="NAMES",
                         help="only these providers (comma-separated, names as in the table) besides reference "
                              "and dsnorm; 'none' for those two alone")
+    parser.add_argument("--full", action="store_true",
+                        help="print every provider of every case (time, GB/s, fidelity) instead of one line per case")
+    parser.add_argument("--settle", type=float, default=SETTLE_S, metavar="SECONDS",
+                        help=f"when other work holds the CPUs at the start, wait up to SECONDS for it to stop "
+                             f"(default {SETTLE_S:g}; 0: do not wait)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -1567,6 +1819,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.threads is not None and args.threads < 1:
         print(f"dsnorm bench: --threads must be >= 1, got {args.threads}", file=sys.stderr)
+        return 2
+    if not (args.settle >= 0 and math.isfinite(args.settle)):
+        print(f"dsnorm bench: --settle must be a number of seconds >= 0, got {args.settle:g}", file=sys.stderr)
         return 2
     if args.device == "cpu":
         import numba
@@ -1637,13 +1892,14 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.threads is not None:
             torch.set_num_threads(args.threads)
-        result = bench(args.device, args.quick, args.backward, cases, args.vllm_so, only, fusions=fusions)
+        result = bench(args.device, args.quick, args.backward, cases, args.vllm_so, only, fusions=fusions,
+                       settle_s=args.settle)
         result["filters"] = {"cases": args.cases, "providers": args.providers}
     finally:
         # In-process callers (tests, notebooks) get their thread count back.
         torch.set_num_threads(threads)
     table_stream = sys.stderr if args.json == "-" else sys.stdout
-    print(format_table(result, color=table_stream.isatty()), file=table_stream)
+    print(format_table(result, color=table_stream.isatty(), full=args.full), file=table_stream)
     if args.json:
         text = json.dumps(result, indent=1)
         if args.json == "-":

@@ -43,6 +43,7 @@ from dsnorm.sites import (
     read_json_file,
     write_output,
 )
+from dsnorm.terminal import wrap
 
 # Real shards of the 671B checkpoint have headers well under 1 MB; this cap (as in the safetensors
 # library) bounds the memory a hostile length can claim.
@@ -648,11 +649,14 @@ def printable(line: str) -> str:
 def render_report(rep: CountReport, max_lines: int = 60) -> str:
     """A plain-text rendering of a :class:`CountReport`, listing at most ``max_lines`` mismatches."""
     layout = rep.layout + (f" (mp{rep.mp_size}: each norm replicated in every shard, counted once)" if rep.mp_size else "")
+    # Two namings meet here, the checkpoint's tensors' and the config's fields'; each is said once,
+    # named for what it names ("naming: huggingface" beside "(reference names)" read as a contradiction).
     out = [
         f"checkpoint: {rep.path}",
-        f"layout: {layout}; {len(rep.files)} file(s); naming: {rep.naming}",
-        f"expectation: {rep.config_source} ({rep.config.format} names)",
+        f"layout: {layout}; {len(rep.files)} file(s); tensor names: {rep.naming}",
     ]
+    out += wrap(f"compared with: the norm sites of {rep.config_source} (a config with {rep.config.format} field "
+                f"names), as {rep.naming} tensor names", "  ")
     out += [f"note: {n}" for n in rep.notes]
     out.append("")
     headers = ["site", "found/expected", "shape", "dtype", "params", "mismatches"]

@@ -41,6 +41,7 @@ from dsnorm.autograd import fused_add_rms_norm, rms_norm
 from dsnorm.module import RMSNorm
 from dsnorm.ops import EPS_MAX, EPS_MIN, _as_float
 from dsnorm.ref import EPS
+from dsnorm.terminal import wrap
 
 # Activation dtypes dsnorm and the norms it replaces share; the weight must widen to fp32 exactly.
 _EXACT_WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -82,12 +83,62 @@ class PatchReport:
     def to_dict(self) -> dict[str, Any]:
         return {"replaced": [e.to_dict() for e in self.replaced], "left": [e.to_dict() for e in self.left]}
 
-    def __str__(self) -> str:
+    def format(self, detail: bool = False) -> str:
+        """The report as text. A count line, then one paragraph per group of modules that share a
+        class, an outcome (cast) and an explanation: how many, their dims and eps, the explanation,
+        and their names with layer indices folded (``model.layers.{0-60}.input_layernorm``), wrapped
+        to ``terminal.COLUMNS``. ``detail``: one line per module instead."""
         lines = [f"replaced {len(self.replaced)} norm(s), left {len(self.left)}"]
-        lines += [f"  replaced {e.name or '<root>'} ({e.cls}, dim {e.dim}, eps {e.eps:g}) with cast={e.cast!r}: {e.reason}"
-                  for e in self.replaced]
-        lines += [f"  left {e.name or '<root>'} ({e.cls}): {e.reason}" for e in self.left]
+        if detail:
+            lines += [f"  replaced {e.name or '<root>'} ({e.cls}, dim {e.dim}, eps {e.eps:g}) with cast={e.cast!r}: "
+                      f"{e.reason}" for e in self.replaced]
+            lines += [f"  left {e.name or '<root>'} ({e.cls}): {e.reason}" for e in self.left]
+            return "\n".join(lines)
+        groups: dict = {}
+        for e in self.replaced + self.left:
+            groups.setdefault((e.replaced, e.cls, e.cast, e.reason), []).append(e)
+        for (replaced, cls, cast, reason), entries in groups.items():
+            n = len(entries)
+            if replaced:
+                dims = ", ".join(str(d) for d in sorted({e.dim for e in entries}))
+                eps = ", ".join(f"{x:g}" for x in sorted({e.eps for e in entries}))
+                head = (f"replaced {n} {cls} (dim{'s' if ',' in dims else ''} {dims}; eps {eps}) with "
+                        f"cast={cast!r}: {reason}")
+            else:
+                head = f"left {n} {cls}: {reason}"
+            lines += wrap(head, "    ", indent="  ")
+            lines += wrap("modules: " + ", ".join(_fold_names([e.name or "<root>" for e in entries])), "      ",
+                          indent="    ")
         return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.format()
+
+
+def _fold_names(names: list) -> list:
+    """Module names with their first numeric component folded: ``a.layers.0.b``, ``a.layers.1.b``
+    and ``a.layers.3.b`` become ``a.layers.{0-1,3}.b``; first-seen order."""
+    folded: dict = {}
+    for name in names:
+        m = re.search(r"(?:^|(?<=\.))(\d+)(?=\.|$)", name)
+        key = name if m is None else name[:m.start()] + "{}" + name[m.end():]
+        folded.setdefault(key, []).append(None if m is None else int(m.group(1)))
+    out = []
+    for key, indices in folded.items():
+        if indices == [None] or len(indices) == 1:
+            out.append(key if indices == [None] else key.replace("{}", str(indices[0]), 1))
+            continue
+        runs, nums = [], sorted(set(indices))
+        start = prev = nums[0]
+        for i in nums[1:] + [None]:
+            if i is not None and i == prev + 1:
+                prev = i
+                continue
+            runs.append(str(start) if start == prev else f"{start}-{prev}")
+            if i is not None:
+                start = prev = i
+        out.append(key.replace("{}", "{" + ",".join(runs) + "}", 1))
+    return out
 
 
 class _Leave(Exception):

@@ -33,6 +33,9 @@ import sys
 from dataclasses import dataclass, replace
 from typing import Any, Iterable, Optional, Sequence, Union, overload
 
+from dsnorm.terminal import COLUMNS, wrap
+from dsnorm.terminal import table as text_table
+
 DEFAULT_CONFIG_NAME = "config_671B_v3.2.json"
 # A model config is a few KB; a cap keeps a hostile or mistaken path (a checkpoint shard) from being read whole.
 MAX_CONFIG_BYTES = 4 << 20
@@ -748,23 +751,43 @@ def _table(headers: list, rows: list, markdown: bool) -> list:
         out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
         out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
         return out
-    widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) if rows else len(str(h)) for i, h in enumerate(headers)]
-    line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
-    return [line(headers), line("-" * w for w in widths)] + [line(r) for r in rows]
+    return text_table(headers, rows)
 
 
-def render_table(cfg: ModelConfig, markdown: bool = False) -> str:
-    """The sites table with per-instance parameters, instance counts and totals, as text or Markdown."""
+def _prose(text: str, markdown: bool, indent: str = "") -> list:
+    """A paragraph: one line in Markdown (a renderer wraps it), wrapped to ``COLUMNS`` in text."""
+    return [text] if markdown else wrap(text, indent)
+
+
+def render_table(cfg: ModelConfig, markdown: bool = False, wide: bool = False) -> str:
+    """The sites table with per-instance parameters, instance counts and totals, as text or Markdown.
+
+    Plain text fits ``terminal.COLUMNS`` characters a line: each site's module path in the naming of
+    the config's fields (Hugging Face for a Hugging Face config, else the reference's) and its input
+    width. ``wide`` (and Markdown) keep every column: both paths, the input and output shapes, the
+    dense / MoE instance counts.
+    """
     sites = enumerate_sites(cfg)
     rows = summarise(sites)
     t = totals(cfg, sites)
     shape = lambda w: f"[B, T, {w}]"  # noqa: E731
-    headers = ["site", "reference path", "Hugging Face path", "form", "width", "in -> out",
-               "params/inst", "dense", "MoE", "instances", "params"]
+    full = wide or markdown
+    hf_names = cfg.format == "huggingface"
+    if full:
+        headers = ["site", "reference path", "Hugging Face path", "form", "width", "in -> out",
+                   "params/inst", "dense", "MoE", "instances", "params"]
+    else:
+        headers = ["site", "Hugging Face path" if hf_names else "reference path", "form", "input width",
+                   "per inst.", "instances", "params"]
 
     def cells(r: SiteSummary) -> list:
         in_block = r.dense + r.moe > 0
         form = r.form + (" LayerNorm" if r.norm_type == "layernorm" else "")
+        if not full:
+            # The MTP layer has no reference module: its rows show the Hugging Face path.
+            path = r.hf_path if hf_names or not r.ref_path else r.ref_path
+            return [r.key, path, "LayerNorm" if r.norm_type == "layernorm" else r.form,
+                    _in_width(r.width, r.input_row_stride), _fmt(r.per_instance), r.instances, _fmt(r.params)]
         # A strided input shows as "[B, T, 512 of 576]" (rows 576 apart); the note under the header explains it.
         return [r.key, r.ref_path or "-", r.hf_path, form, r.width,
                 f"{shape(_in_width(r.width, r.input_row_stride))} -> {shape(r.width)}",
@@ -780,16 +803,17 @@ def render_table(cfg: ModelConfig, markdown: bool = False) -> str:
             break
 
     h1 = "## " if markdown else ""
-    out = [
-        f"{h1}DeepSeek-V3.2-Exp RMSNorm sites (config: {cfg.source}, {cfg.format} names)",
-        "",
+    out = _prose(f"{h1}DeepSeek-V3.2-Exp RMSNorm sites (config: {cfg.source}, {cfg.format} names)", markdown)
+    out.append("")
+    out += _prose(
         f"dim {cfg.dim:,}; {t['blocks']} blocks ({t['dense_blocks']} dense, {t['moe_blocks']} MoE); "
         f"q_lora_rank {cfg.q_lora_rank:,}; kv_lora_rank {cfg.kv_lora_rank:,}; "
         f"qk_rope_head_dim {cfg.qk_rope_head_dim:,}; eps {cfg.eps:g}. "
         "Shapes: B batch, T positions (decode: T = 1); a fused norm also takes and returns the residual "
-        "stream in the same shape." + strided_note,
-        "",
-    ]
+        "stream in the same shape." + ("" if full else " The output is [B, T, width], contiguous.")
+        + strided_note
+        + ("" if full else " (--wide: both namings, the shapes and the dense / MoE counts.)"), markdown)
+    out.append("")
     main = [r for r in rows if r.group == "main" and r.norm_type == "rmsnorm"]
     out += _table(headers, [cells(r) for r in main], markdown)
     out += [""]
@@ -797,7 +821,8 @@ def render_table(cfg: ModelConfig, markdown: bool = False) -> str:
     final = next(r for r in main if r.key == "norm")
     out.append(f"{h1}Totals" if markdown else "Totals")
     bullet = "- " if markdown else "  "
-    out.append(f"{bullet}final norm: {_fmt(final.params)}")
+    item = lambda text: _prose(bullet + text, markdown, "    ")  # noqa: E731
+    out += item(f"final norm: {_fmt(final.params)}")
     if q is not None:
         parts = []
         if q.moe:
@@ -805,23 +830,24 @@ def render_table(cfg: ModelConfig, markdown: bool = False) -> str:
         if q.dense:
             parts.append(f"× {q.dense} dense blocks = {_fmt(q.per_instance * q.dense)}")
         parts.append(f"× {q.instances} blocks = {_fmt(q.params)}")
-        out.append(f"{bullet}query-latent norm (q_norm): {_fmt(q.per_instance)} per instance; " + "; ".join(parts))
-    out.append(f"{bullet}all main-model RMSNorm parameters: {t['formula']} in {t['instances']} instances")
+        out += item(f"query-latent norm (q_norm): {_fmt(q.per_instance)} per instance; " + "; ".join(parts))
+    out += item(f"all main-model RMSNorm parameters: {t['formula']} in {t['instances']} instances")
     ln = [r for r in rows if r.group == "main" and r.norm_type == "layernorm"]
     for r in ln:
-        out.append(
-            f"{bullet}not counted above: indexer {r.key} ({r.ref_path} / {r.hf_path}) is a LayerNorm "
+        out += item(
+            f"not counted above: indexer {r.key} ({r.ref_path} / {r.hf_path}) is a LayerNorm "
             f"(weight + bias): {r.instances} × 2 × {r.width:,} = {_fmt(r.params)} parameters"
         )
     mtp = [r for r in rows if r.group == "mtp"]
     if mtp:
         note = "" if cfg.mtp_stated else " (not stated by a reference config; the V3.2-Exp HF release has 1)"
-        out += ["", f"{h1}Multi-token-prediction layer{'s' if cfg.n_mtp_layers > 1 else ''} of the Hugging Face "
-                f"checkpoint: model.layers.{cfg.n_layers}{'' if cfg.n_mtp_layers == 1 else '...'}{note}; "
-                "no reference module (not in the main totals)", ""]
-        out += _table(headers, [cells(r) for r in mtp], markdown)
-        out += ["", f"{bullet}MTP RMSNorm: {t['mtp_rmsnorm_instances']} instances, {_fmt(t['mtp_rmsnorm_params'])} parameters"
-                + ("; plus the MTP block's indexer LayerNorm" if any(r.norm_type == "layernorm" for r in mtp) else "")]
+        out += [""] + _prose(f"{h1}Multi-token-prediction layer{'s' if cfg.n_mtp_layers > 1 else ''} of the Hugging "
+                             f"Face checkpoint: model.layers.{cfg.n_layers}{'' if cfg.n_mtp_layers == 1 else '...'}"
+                             f"{note}; no reference module (not in the main totals)", markdown) + [""]
+        mtp_headers = headers if full else [headers[0], "Hugging Face path"] + headers[2:]
+        out += _table(mtp_headers, [cells(r) for r in mtp], markdown)
+        out += [""] + item(f"MTP RMSNorm: {t['mtp_rmsnorm_instances']} instances, {_fmt(t['mtp_rmsnorm_params'])} parameters"
+                           + ("; plus the MTP block's indexer LayerNorm" if any(r.norm_type == "layernorm" for r in mtp) else ""))
     return "\n".join(out) + "\n"
 
 
@@ -928,6 +954,8 @@ def render_page(cfg: ModelConfig, key: str, markdown: bool = False) -> str:
     out.append("")
     out.append(f"Source: deepseek-ai/DeepSeek-V3.2-Exp inference/model.py @ {REFERENCE_REVISION}; "
                f"config: {cfg.source}.")
+    if not markdown:  # prose wrapped to the terminal; the formula and the table are narrower already
+        out = [piece for line in out for piece in (wrap(line) if len(line) > COLUMNS else [line])]
     return "\n".join(out) + "\n"
 
 
@@ -940,7 +968,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE",
                         help="model config (reference or Hugging Face field names), or a model directory "
                              "holding config.json; default: built-in 671B V3.2-Exp")
-    parser.add_argument("--markdown", action="store_true", help="print Markdown instead of plain text")
+    parser.add_argument("--markdown", action="store_true", help="print Markdown instead of plain text (every column)")
+    parser.add_argument("--wide", action="store_true",
+                        help="every column (both namings, shapes, dense / MoE counts), wider than 120 characters")
     parser.add_argument("--json", metavar="FILE", help="also write the full catalogue as JSON ('-': stdout only)")
     parser.add_argument("--site", metavar="NAME", help="print one site's page (e.g. q_norm, kv_a_layernorm, norm)")
 
@@ -952,7 +982,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         cfg = load_config(args.config)
-        text = render_page(cfg, args.site, args.markdown) if args.site else render_table(cfg, args.markdown)
+        text = render_page(cfg, args.site, args.markdown) if args.site else render_table(cfg, args.markdown, args.wide)
     except (ValueError, TypeError) as e:
         print(f"dsnorm sites: error: {e}", file=sys.stderr)
         return 2
