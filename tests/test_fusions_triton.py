@@ -367,12 +367,16 @@ def test_mla_latent_norms(dtype):
 def test_mla_multi_block_and_api(monkeypatch):
     monkeypatch.setattr(launch, "MAX_BLOCK_N", 64)  # both widths take the two-pass path
     monkeypatch.setitem(fusions._fusion_launchers, "cpu", tfusions)
+    monkeypatch.setattr(fusions, "_mla_lane", lambda *args: None)  # else the CPU's MLA lane takes the call
+    launches = []
+    mla = tfusions.mla_latent_norms
+    monkeypatch.setattr(tfusions, "mla_latent_norms", lambda *args: launches.append(1) or mla(*args))
     gen = torch.Generator().manual_seed(11)
     q = randn((2, 3, 200), torch.bfloat16, gen)
     kv_a = randn((2, 3, 100), torch.bfloat16, gen)
     wq, wkv = randn((200,), torch.float32, gen), randn((72,), torch.float32, gen)
     qn, kvn = fusions.mla_latent_norms(q, kv_a, wq, wkv)
-    assert kvn.shape == (2, 3, 72)
+    assert launches == [1] and kvn.shape == (2, 3, 72)  # the Triton kernel ran
     assert_close_y(qn, rms_norm_ref(q, wq, EPS))
     assert_close_y(kvn, rms_norm_ref(kv_a[..., :72], wkv, EPS))
 
