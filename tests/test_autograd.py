@@ -990,7 +990,7 @@ def test_training_lane_refuses_by_the_general_paths_errors(monkeypatch, case):
 def test_training_lane_leaves_other_tensors_to_the_general_path(monkeypatch):
     # Rows the kernels cannot read in place, a lazily negated view, an inference tensor and an fp32
     # residual stream take the general path; a Parameter input is a plain tensor (the lane).
-    w = torch.ones(64)
+    w = _rand((64,), torch.float32, 84)  # not all ones: the bitwise check below then sees the multiply order
     z = torch.complex(_rand((3, 64), torch.float32, 86), _rand((3, 64), torch.float32, 87))
     with torch.inference_mode():
         frozen = _rand((3, 64), torch.float32, 88)
