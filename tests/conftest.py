@@ -64,6 +64,21 @@ def assert_y_close(y: torch.Tensor, y_ref: torch.Tensor, width: int, cast: str =
         torch.testing.assert_close(y, y_ref, rtol=4e-6, atol=0)
 
 
+# One rounding of the output dtype (half an ulp, relative) on top of fp32 arithmetic.
+_GRAD_ROUNDING = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-20, torch.float64: 1e-13}
+
+
+def assert_grad_close(got: torch.Tensor, ref64: torch.Tensor, scale: float | None = None) -> None:
+    """A gradient against fp64 autograd of the reference, elementwise: one rounding of got's dtype
+    plus fp32 arithmetic error (1e-6) relative to ``scale``, the size of the terms that were added
+    (``rstd * dy * w`` can cancel to a much smaller ds: for n=1, ds = rstd * g * eps / (s^2 + eps))."""
+    assert got.shape == ref64.shape, (got.shape, ref64.shape)
+    scale = max(float(ref64.abs().max()) if ref64.numel() else 0.0, scale or 0.0)
+    err = (got.double() - ref64).abs()
+    bound = _GRAD_ROUNDING[got.dtype] * ref64.abs() + (1e-13 if got.dtype == torch.float64 else 1e-6) * scale
+    assert bool((err <= bound).all()), f"max err {float(err.max())}, scale {scale}"
+
+
 @pytest.fixture
 def threads():
     """Restore torch's thread count after a test that changes it."""

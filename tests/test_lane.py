@@ -214,11 +214,15 @@ def test_module_under_fx_leaf_tracing():
         assert bits_equal(torch.fx.GraphModule(block, graph)(x), rms_norm_ref(x, block.norm.weight))
 
 
-def test_fused_strided_inputs_take_the_general_path():
+def test_fused_strided_inputs_take_the_general_path(monkeypatch):
     base_x, base_r = _data((4, 1, 576), torch.bfloat16, 23), _data((4, 1, 576), torch.bfloat16, 24)
     x, r, w = base_x[..., :512], base_r[..., :512], _weight(512)
+    calls = []
+    general = ops._fused
+    monkeypatch.setattr(ops, "_fused", lambda *args: calls.append(1) or general(*args))
     with torch.no_grad():
         y, res = dsnorm.fused_add_rms_norm(x, r, w)
+    assert calls == [1]  # both paths give these bits: the name's claim is the path
     y_ref, res_ref = fused_add_rms_norm_ref(x, r, w)
     assert bits_equal(y, y_ref) and bits_equal(res, res_ref)
 
@@ -384,7 +388,11 @@ def test_mla_lane_matches_the_two_norms(mla_lane_only, dtype, lead):
 
 
 @pytest.mark.parametrize("case", ["strided q", "bf16 weight", "fp64", "grad", "dispatch mode", "large"])
-def test_mla_lane_steps_aside(case):
+def test_mla_lane_steps_aside(monkeypatch, case):
+    from dsnorm import cpu_fusions, fusions
+
+    answers = []  # what the lane returned: None where it stepped aside
+    monkeypatch.setattr(fusions, "_mla_lane", lambda *args: answers.append(cpu_fusions.mla_lane(*args)) or answers[-1])
     q, kv, wq, wkv = _mla_inputs((2, 1), torch.bfloat16)
     if case == "strided q":
         q = _data((2, 1, 1600), torch.bfloat16, 50)[..., :1536]
@@ -394,12 +402,11 @@ def test_mla_lane_steps_aside(case):
         q, kv = q.double(), kv.double()
     elif case == "large":
         q, kv, wq, wkv = _mla_inputs((128,), torch.bfloat16)  # prefill-sized: the general path
-    want = (rms_norm_ref(q, wq), rms_norm_ref(kv[..., :512], wkv))
-    if case == "fp64":  # computed in fp64, dsnorm's one departure
-        want = (dsnorm.rms_norm(q, wq), dsnorm.rms_norm(kv[..., :512], wkv))
+    want = (rms_norm_ref(q, wq), rms_norm_ref(kv[..., :512], wkv))  # fp64: computed in fp64, as the reference's
     if case == "grad":
         with pytest.raises(RuntimeError, match="inference-only"):
             dsnorm.mla_latent_norms(q, kv, wq.requires_grad_(), wkv)
+        assert len(answers) == 1 and answers[0] is None
         return
     with torch.no_grad():
         if case == "dispatch mode":
@@ -408,4 +415,5 @@ def test_mla_lane_steps_aside(case):
             assert any("dsnorm.mla_latent_norms" in name for name in mode.ops)
         else:
             got = dsnorm.mla_latent_norms(q, kv, wq, wkv)
+    assert len(answers) == 1 and answers[0] is None  # the lane was asked and stepped aside
     assert bits_equal(got[0], want[0]) and bits_equal(got[1], want[1])

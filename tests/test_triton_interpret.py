@@ -54,6 +54,8 @@ if _TRITON_PREIMPORTED:
 
 from dsnorm.ref import fused_add_rms_norm_ref, rms_norm_backward_ref, rms_norm_ref  # noqa: E402
 
+from conftest import assert_grad_close  # noqa: E402
+
 EPS = 1e-6
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
@@ -435,21 +437,6 @@ def _run_backward(dy, x, r, w, rstd, dro, round_first, write_dr=None):
     return dx, dr, dw
 
 
-def _tol(dtype):
-    # One rounding of the output dtype on top of fp32 arithmetic (error ~1e-6 of the row's scale).
-    return {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-20, torch.float64: 1e-13}[dtype]
-
-
-def _assert_grad_close(got, ref64, scale=None):
-    """Elementwise: one rounding of got's dtype, plus fp32 arithmetic error relative to ``scale``,
-    the size of the terms that were added (``rstd * dy * w`` can cancel to a much smaller ds:
-    for n=1, ds = rstd * g * eps / (s^2 + eps))."""
-    scale = max(float(ref64.abs().max()), scale or 0.0)
-    err = (got.double() - ref64).abs()
-    bound = _tol(got.dtype) * ref64.abs() + (1e-13 if got.dtype == torch.float64 else 1e-6) * scale
-    assert bool((err <= bound).all()), f"max err {float(err.max())}, scale {scale}"
-
-
 def _check_backward(x, r, w, rstd, dro, round_first, s, gen=None):
     """Gradients against fp64 autograd of the reference formula, and dweight's determinism."""
     gen = gen or torch.Generator().manual_seed(1)
@@ -459,10 +446,10 @@ def _check_backward(x, r, w, rstd, dro, round_first, s, gen=None):
     if dro is not None:
         ds_ref = ds_ref + dro.double()
     term = float((dy.double() * w.double() * rstd.double()[:, None]).abs().max())
-    _assert_grad_close(dx, ds_ref, term)
+    assert_grad_close(dx, ds_ref, term)
     if dr is not None:
-        _assert_grad_close(dr, ds_ref, term)
-    _assert_grad_close(dw, dw_ref)
+        assert_grad_close(dr, ds_ref, term)
+    assert_grad_close(dw, dw_ref)
     # Again (dweight's determinism), with dresidual written where it was not (and the reverse):
     # the flag changes nothing else, and a dresidual in x's dtype is dx's bits.
     dx2, dr2, dw2 = _run_backward(dy, x, r, w, rstd, dro, round_first, write_dr=r is not None and dr is None)
@@ -765,27 +752,45 @@ def test_public_api_through_the_triton_launchers(monkeypatch):
     import dsnorm
 
     monkeypatch.setitem(ops._launchers, "cpu", launch)
+    monkeypatch.setattr(ops, "lane", lambda *args: None)  # else the CPU lane takes the no-grad calls
+    launches = []
+    forward = launch.forward
+    monkeypatch.setattr(launch, "forward", lambda *args: launches.append(1) or forward(*args))
     g = torch.Generator().manual_seed(3)
     kv = torch.randn(2, 3, 576, generator=g).to(torch.bfloat16)
     x = kv[..., :512]
     r = torch.randn(2, 3, 512, generator=g).to(torch.bfloat16)
     w = torch.randn(512, generator=g)
     y, res = dsnorm.fused_add_rms_norm(x, r, w)
+    assert launches == [1]  # the Triton kernel ran
     y_ref, res_ref = fused_add_rms_norm_ref(x, r, w)
     assert_bitwise(res, res_ref)
     assert_close_y(y, y_ref)
-    xs = x.float().clone().requires_grad_()
-    dsnorm.rms_norm(xs, w).sum().backward()
-    assert xs.grad.shape == x.shape and torch.isfinite(xs.grad).all()
+    # Gradients against fp64 autograd of the reference formula (loss = sum: dy = 1).
+    def term(s):  # the size of the terms the backward adds: |dy * w * rstd|
+        return float((w.double().abs() * torch.rsqrt(s.double().pow(2).mean(-1, keepdim=True) + EPS)).max())
+
+    xs, ws = x.float().clone().requires_grad_(), w.clone().requires_grad_()
+    dsnorm.rms_norm(xs, ws).sum().backward()
+    ds_ref, dw_ref = rms_norm_backward_ref(torch.ones(x.shape), x.float(), w, EPS)
+    assert xs.grad.dtype == torch.float32 and ws.grad.dtype == torch.float32
+    assert_grad_close(xs.grad, ds_ref, term(x))
+    assert_grad_close(ws.grad, dw_ref)
     # A residual of another dtype (fp32 under torch.autocast), through autograd.
-    xs, rs = x.clone().requires_grad_(), r.float().clone().requires_grad_()
-    y, res = dsnorm.fused_add_rms_norm(xs, rs, w)
+    xs, rs, ws = x.clone().requires_grad_(), r.float().clone().requires_grad_(), w.clone().requires_grad_()
+    y, res = dsnorm.fused_add_rms_norm(xs, rs, ws)
     y_ref, res_ref = fused_add_rms_norm_ref(x, r.float(), w)
     assert res.dtype == torch.bfloat16
     assert_bitwise(res, res_ref)
     assert_close_y(y, y_ref)
     (y.float().sum() + res.float().sum()).backward()
-    assert xs.grad.dtype == torch.bfloat16 and rs.grad.dtype == torch.float32 and torch.isfinite(rs.grad).all()
+    assert xs.grad.dtype == torch.bfloat16 and rs.grad.dtype == torch.float32
+    s = x.float() + r.float()
+    ds_ref, dw_ref = rms_norm_backward_ref(torch.ones(x.shape), s, w, EPS)
+    ds_ref = ds_ref + 1.0  # residual_out's gradient
+    assert_grad_close(xs.grad, ds_ref, term(s))
+    assert_grad_close(rs.grad, ds_ref, term(s))
+    assert_grad_close(ws.grad, dw_ref)
 
 
 def test_chain_through_the_triton_launchers(monkeypatch):
