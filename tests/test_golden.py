@@ -58,7 +58,18 @@ def test_recorded_errors_left_inputs_untouched():
                 assert result["inputs_changed"] == [], case["recipe"]
 
 
+def _release(version: str) -> str:
+    return version.split("+")[0]  # 2.13.0+cpu and a CUDA build's 2.13.0 are one release
+
+
 def test_golden_results_unchanged():
+    # A refactor guard, not a fidelity test: some recorded messages are torch's own (its dispatcher's
+    # refusals), which another torch release words differently. The rest of the suite holds every
+    # torch release to the reference; CI installs the recorded one, so there this always runs.
+    recorded_torch = GOLDEN["meta"]["torch"]
+    if _release(torch.__version__) != _release(recorded_torch):
+        pytest.skip(f"the golden set was recorded with torch {recorded_torch}; this is torch "
+                    f"{torch.__version__} (re-record with tests/golden/record.py to compare here)")
     capability = torch.backends.cpu.get_cpu_capability()
     recorded = GOLDEN["meta"]["capabilities"]
     if capability in recorded:
