@@ -10,8 +10,10 @@ subnormal, special-valued (+-0, +-inf, NaN) and random-bit inputs; bad options, 
 What holds (README, "Fidelity: what holds where"): ``y`` bitwise the reference's on x86 for rows
 up to 16384 wide (else 1 ulp, 2 with ``cast="hf"``, 4e-6 relative in fp32); the returned residual
 bitwise everywhere; the fp8 fusions, ``final_norm`` and ``mla_latent_norms`` bitwise their eager
-compositions on the CPU; gradients within stated norm-wise bounds of fp64 autograd; a refused call
-leaves every input's bits and version counter as they were. And the fast path against the
+compositions on the CPU; gradients within stated norm-wise bounds of fp64 autograd; a call with
+no bad argument computes (but for the combinations ``refused_by_rule`` lists), a call with one is
+refused with a TypeError or ValueError naming it, and a refused call leaves every input's bits and
+version counter as they were. And the fast path against the
 checks: wherever the checks refuse a call the fast lane declines it, and wherever the lane takes a
 call its result is the general path's, bit for bit.
 
@@ -24,6 +26,7 @@ seed in use is printed in pytest's header and summary; ``DSNORM_HYPOTHESIS_SEED=
 import contextlib
 import math
 import os
+import re
 
 import torch
 from hypothesis import HealthCheck, event, given, seed, settings
@@ -58,7 +61,8 @@ def examples(n: int):
 
 # ---------------------------------------------------------------------------------------------
 # The one internal this suite reads: dsnorm's CPU fast lane (issue 39 is moving it). Everything
-# else goes through public imports.
+# else goes through public imports, so FastLane is the single place a refactor of dsnorm's
+# internals updates here.
 
 
 class FastLane:
@@ -143,7 +147,7 @@ def tensor_specs(draw, dtype, width, lead=None, layout=None, fill=None):
 @st.composite
 def core_calls(draw, form, faulty=0.3):
     """A core-form call: specs of x (and residual), a weight, eps and options; a share ``faulty`` of
-    them carries one bad argument."""
+    them carries one bad argument, recorded as ``call["fault"]`` (one of FAULTS, else None)."""
     # Not st.floats(0, 1) < faulty: hypothesis draws the simplest choices (0, the first) far more
     # often than their share, so the faults sit at the end of the range.
     fault = None
@@ -156,7 +160,8 @@ def core_calls(draw, form, faulty=0.3):
     wwidth = width + draw(st.sampled_from((1, -1) if width > 1 else (1,))) if fault == "weight_width" else width
     weight = {"shape": [wwidth], "dtype": wdtype, "fill": draw(st.sampled_from(("ones", "normal"))),
               "seed": draw(st.integers(0, 2**32 - 1))}
-    call = {"form": form, "x": x, "weight": weight, "eps": _pick(draw, fault, "eps", VALID_EPS, BAD_EPS),
+    call = {"form": form, "fault": fault, "x": x, "weight": weight,
+            "eps": _pick(draw, fault, "eps", VALID_EPS, BAD_EPS),
             "cast": _pick(draw, fault, "cast", ("deepseek", "hf"), ("HF", None, 1))}
     if form != "plain":
         rdtype = draw(st.sampled_from((dtype,) * 3 + ("bf16", "fp16", "fp32", "fp64")))
@@ -250,7 +255,86 @@ def reference(call, x, residual, weight):
     return fused_add_rms_norm_ref(xr, residual, weight, call["eps"], call["cast"], call["residual_rounding"], rdt)
 
 
-REFUSALS = (TypeError, ValueError, RuntimeError, NotImplementedError)
+# ---------------------------------------------------------------------------------------------
+# Which calls must compute and how the others must be refused.
+
+# The argument each fault makes bad: a refusal of a faulty call names it.
+FAULT_ARGUMENT = {"x_dtype": "x", "weight_dtype": "weight", "weight_width": "weight", "eps": "eps", "cast": "cast",
+                  "residual_shape": "residual", "residual_rounding": "residual_rounding",
+                  "residual_dtype": "residual_dtype"}
+
+
+def fault_seen(call, entry):
+    """The call's fault as dsnorm receives it through ``entry`` (None where the entry drops it)."""
+    fault = call["fault"]
+    if fault == "residual_dtype" and call["form"] == "inplace" and entry == "op":
+        return None  # the in-place op has no residual_dtype argument: the buffer's dtype decides
+    if fault == "eps" and entry == "op" and call["eps"] is True:
+        return None  # torch's schema turns True into 1.0 for a float argument before dsnorm sees it
+    return fault
+
+
+def _rows_writable(t) -> bool:
+    # The in-place rule (ops.check_inplace): unit-stride rows, one stride between them, none overlapping.
+    if t.is_contiguous() or t.numel() <= t.shape[-1]:
+        return True
+    if t.stride(-1) != 1 and t.shape[-1] != 1:
+        return False
+    strides = [stride for size, stride in zip(t.shape[:-1], t.stride()[:-1]) if size != 1]
+    sizes = [size for size in t.shape[:-1] if size != 1]
+    for outer, inner, inner_size in zip(strides, strides[1:], sizes[1:]):
+        if outer != inner * inner_size:
+            return False
+    return strides[-1] >= t.shape[-1]
+
+
+def refused_by_rule(call, entry, x, residual):
+    """Why dsnorm refuses a call that carries no fault, or None where it must compute. The one list
+    of such combinations: they follow from docs/semantics.md ("Compatibility options", "In place")
+    and ops.py's check_options / check_residual / check_inplace_options / check_inplace."""
+    if call["form"] == "plain":
+        return None
+    rr, rdt = call["residual_rounding"], call["residual_dtype"]
+    takes_rdt = not (call["form"] == "inplace" and entry == "op")
+    f32, widened = torch.float32, (torch.bfloat16, torch.float16, torch.float32)
+    if takes_rdt and rr == "round_first" and rdt is not None:
+        return "round_first with residual_dtype=float32 is contradictory"
+    if call["form"] == "fused":
+        # The residual is added widened beside a bf16/fp16/fp32 x (not fp64: the reference would
+        # round it); an fp64 x takes its own dtype, or an fp32 stream with residual_dtype=float32.
+        accepted = widened if x.dtype in widened else ((x.dtype, f32) if rdt is not None else (x.dtype,))
+        return None if residual.dtype in accepted else f"a {residual.dtype} residual beside {x.dtype} x"
+    # In place the residual buffer is also the output: x's dtype or an fp32 stream, as residual_dtype says.
+    if residual.dtype not in (x.dtype, f32):
+        return f"in place, a {residual.dtype} residual buffer beside {x.dtype} x"
+    if takes_rdt and rdt is not None and residual.dtype != rdt:
+        return "in place, residual_dtype=float32 with a buffer of another dtype"
+    if rr == "round_first" and residual.dtype != x.dtype:
+        return "in place, round_first with a residual buffer wider than x"
+    if not (_rows_writable(x) and _rows_writable(residual)):
+        return "in place, rows that cannot be written (not unit-stride, not collapsing, or overlapping)"
+    return None
+
+
+def check_outcome(call, entry, error, x, residual):
+    """A call without a fault computes unless ``refused_by_rule``; a refusal is a TypeError or
+    ValueError, which names the faulty argument (or, at the op entry, torch's schema refusal of
+    an argument of the wrong Python type, which names it too)."""
+    fault, rule = fault_seen(call, entry), refused_by_rule(call, entry, x, residual)
+    event("a faulty call" if fault else "refused by rule" if rule else "a valid call")
+    if fault is None and rule is None:
+        assert error is None, f"dsnorm refused a valid call: {error!r}"
+        return
+    assert error is not None, f"dsnorm took a call it must refuse (fault {fault}, rule {rule})"
+    name = FAULT_ARGUMENT.get(fault)
+    message = str(error)
+    if entry == "op" and type(error) is RuntimeError and name is not None:
+        assert f"for argument '{name}'" in message, f"a schema refusal not naming {name}: {error!r}"
+    elif name is not None and rule is None:
+        assert type(error) in (TypeError, ValueError), f"a refused {name} raised {error!r}"
+        assert re.search(rf"\b{name}\b", message), f"the refusal does not name {name}: {error!r}"
+    else:  # refused by rule (and maybe a fault: either may be named first)
+        assert type(error) in (TypeError, ValueError), f"refused by rule ({rule}) with {error!r}"
 
 
 def check_against_reference(call, entry, mode):
@@ -260,10 +344,12 @@ def check_against_reference(call, entry, mode):
     try:
         with ctx():
             out = public(call, x, residual, weight, entry)
-    except REFUSALS as e:
+    except Exception as e:  # whatever it is: check_outcome judges it
         event(f"refused: {type(e).__name__}")
         assert untouched(originals, (x, residual, weight)), f"a refused call changed its inputs: {e}"
+        check_outcome(call, entry, e, x, residual)
         return
+    check_outcome(call, entry, None, x, residual)
     event("computed")
     x0, r0, w0 = (o[0] if o is not None else None for o in originals)
     ref = reference(call, x0, r0, w0)
@@ -300,7 +386,7 @@ def test_fused_matches_reference(form_entry, data, mode):
 def _run(thunk):
     try:
         return thunk(), None
-    except REFUSALS as e:
+    except Exception as e:  # check_outcome judges it
         return None, e
 
 
@@ -316,6 +402,7 @@ def test_fast_lane_declines_what_the_checks_refuse_and_agrees_with_the_general_p
         x, residual, weight = build(call)
         with FastLane.disabled():
             general, refusal = _run(lambda: public(call, x, residual, weight, entry))
+        check_outcome(call, entry, refusal, x, residual)
         lx, lresidual, lweight = build(call)
         originals = fingerprint(lx, lresidual, lweight)
         taken = FastLane.attempt(form, lx, lresidual, lweight, call["eps"], call["cast"], rr, rdt)
