@@ -60,11 +60,16 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from dsnorm import ops as _ops
-from dsnorm.ops import PLAIN_TYPES as _PLAIN_TYPES
-from dsnorm.ops import EPS_MAX as _EPS_MAX
-from dsnorm.ops import EPS_MIN as _EPS_MIN
-from dsnorm.ops import dispatch_free, row_stride, rows_viewable
+from dsnorm import forking as _forking
+from dsnorm.dispatch import PLAIN_TYPES as _PLAIN_TYPES
+from dsnorm.dispatch import dispatch_free
+from dsnorm.rows import row_stride, rows_viewable
+from dsnorm.spec import CAST_HF as _CASTS_HF
+from dsnorm.spec import EPS_MAX as _EPS_MAX
+from dsnorm.spec import EPS_MIN as _EPS_MIN
+from dsnorm.spec import ROUND_FIRST as _ROUNDINGS_FIRST
+from dsnorm.spec import WIDENED_RESIDUALS as _WIDENED_RESIDUALS
+from dsnorm.spec import Form
 
 # Threads: numba's "threadsafe" layers (tbb when installed, else omp) may be entered from several
 # Python threads at once (its default workqueue layer may not); respect a layer the user chose
@@ -1350,7 +1355,7 @@ def _fresh_locks_in_child() -> None:
     # A fork copies a lock held by another thread (a parallel launch, which runs without the GIL,
     # or a first compile) in its held state, and no thread of the child will release it: the
     # child's first parallel call or compile would wait forever (the workqueue layer serves a
-    # forked child; the omp layer's child runs serially, ops._after_fork_in_child).
+    # forked child; the omp layer's child runs serially, dsnorm.forking).
     global _compile_lock, _pool_lock
     _compile_lock = threading.Lock()
     if _pool_lock is not None:
@@ -1378,7 +1383,7 @@ def _threads(numel: int) -> int:
     global _fork_warned
     if numel < SERIAL_NUMEL:
         return 1
-    if _ops.forked_after_pool:  # see dsnorm.ops._after_fork_in_child
+    if _forking.forked_after_pool:  # see dsnorm.forking
         if torch.get_num_threads() > 1 and not _fork_warned:
             _fork_warned = True
             warnings.warn(
@@ -1634,28 +1639,27 @@ def _compile_decode():
 _is_grad_enabled = torch.is_grad_enabled
 _inference_mode_enabled = torch.is_inference_mode_enabled
 _STRIDED = torch.strided
-_CASTS_HF = {"deepseek": False, "hf": True}
-_ROUNDINGS_FIRST = {"fp32_sum": False, "round_first": True}
 _TENSOR, _PARAMETER = _PLAIN_TYPES
-PLAIN, FUSED, INPLACE = 0, 1, 2
+PLAIN, FUSED, INPLACE = Form.PLAIN, Form.FUSED, Form.INPLACE
 
 
 def lane(form, x, residual, weight, eps, cast, residual_rounding, residual_dtype):
     """The result of a call that needs only the kernel, or None (then the general path runs).
 
-    ``form`` is PLAIN (returns ``y``; residual and its options are ignored), FUSED (``(y,
-    residual_out)``) or INPLACE (``(x, residual)``, written; a caller that bypasses the dispatcher
-    bumps their version counters, as the dispatcher would). Accepted: plain CPU tensors of one
-    dtype (bf16/fp16/fp32; FUSED also takes a residual of another of them, and
+    ``form`` (a :class:`dsnorm.spec.Form`) is PLAIN (returns ``y``; residual and its options are
+    ignored), FUSED (``(y, residual_out)``) or INPLACE (``(x, residual)``, written; a caller that
+    bypasses the dispatcher bumps their version counters, as the dispatcher would). Accepted: plain
+    CPU tensors of one dtype (bf16/fp16/fp32; FUSED also takes a residual of another of them, and
     ``residual_dtype=torch.float32``), an fp32 weight, valid options; contiguous rows, or outside
     INPLACE rows of x with one stride between them (the kv_norm slice). Calls below the serial
     size go straight to the decode kernel's entry point and larger ones to its threaded form,
-    except FUSED calls with strided x or mixed dtypes, which go to ``forward``. Nothing is taken while autograd,
-    torch.compile, torch.jit tracing, functorch, a dispatch/function mode or the profiler is in
-    effect, nor for a tensor with the negative bit (a lazily negated view, ``x.conj().imag``) or a
-    ZeroTensor (no memory; a slice of one has a made-up nonzero address): the dispatcher resolves
-    them, a raw pointer would not; nor, in place, for an inference tensor outside inference mode
-    (which torch does not let be written). The checks are written out in one
+    except FUSED calls with strided x or mixed dtypes, which go to ``forward``. Nothing is taken
+    while autograd, torch.compile, torch.jit tracing, functorch, a dispatch/function mode or the
+    profiler is in effect, nor for a tensor with the negative bit (a lazily negated view,
+    ``x.conj().imag``) or a ZeroTensor (no memory; a slice of one has a made-up nonzero address):
+    the dispatcher resolves them, a raw pointer would not; nor, in place, for an inference tensor
+    outside inference mode (which torch does not let be written). The rules are
+    :mod:`dsnorm.spec`'s (its tables: eps bounds, options, residual dtypes), written out in one
     function, cheapest refusals and the reads every call needs first: at ~40-90 ns per tensor
     attribute and ~60 ns per Python call, they are most of a decode norm.
     """
@@ -1713,7 +1717,7 @@ def lane(form, x, residual, weight, eps, cast, residual_rounding, residual_dtype
     if tr is not _TENSOR and tr is not _PARAMETER:
         return None
     r_dtype = residual.dtype
-    if r_dtype is not dtype and (form == INPLACE or r_dtype not in _DECODE_CODES):
+    if r_dtype is not dtype and (form == INPLACE or r_dtype not in _WIDENED_RESIDUALS):
         return None
     if grad and residual.requires_grad:
         return None
