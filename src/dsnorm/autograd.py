@@ -6,10 +6,10 @@
 
 When no gradient is needed the functions skip the Function (nothing is saved), and in plain
 eager code they, and the Functions' forward and backward, call the op's implementation directly: at
-decode sizes the dispatcher's round trip (~2.5 µs a call on the CI machine) costs more than the
-norm. The op itself is used whenever anything could observe the difference: torch.compile
-tracing, tensor subclasses (DTensor, FakeTensor), functorch transforms, and torch function or
-dispatch modes (CommDebugMode, FlopCounterMode...). In grad mode the common case (plain
+decode sizes the dispatcher's round trip costs more than the norm. The op itself is used whenever
+anything could observe the difference: torch.compile tracing, tensor subclasses (DTensor,
+FakeTensor), functorch transforms, and torch function or dispatch modes (CommDebugMode,
+FlopCounterMode...). In grad mode the common case (plain
 contiguous tensors, options checked before) takes a training lane: one proof of what the checks
 would establish (``spec.train_lane_plain`` / ``train_lane_fused``), then the same Function, told by
 its ``checked`` argument to skip them.
@@ -104,7 +104,7 @@ def _first_order_only(what: str, grads: tuple, depends_on: tuple) -> tuple:
 
 
 # In plain eager code the backwards call the kernels without the backward ops' checks (see
-# ops.rms_norm_bwd_unchecked; ~4 us a fused call on the CI machine). The saved tensors passed
+# ops.rms_norm_bwd_unchecked). The saved tensors passed
 # the forward's checks, but can be other tensors by now: a saved-tensor hook's unpack, or an
 # input's .data reassigned (which bumps no version). backward_inputs_match compares them with
 # dy (which autograd has matched to y); on a mismatch the op's checks name it. Under
@@ -285,8 +285,8 @@ def _direct(*tensors) -> bool:
 
 
 # Function.apply (torch <= 2.13) binds its arguments to forward's signature with inspect whenever
-# setup_context is defined, only to fill in defaults: ~11 us a call on the CI machine, ~5x that on
-# the H200 machine's host, the largest single host cost of a training step's norm. These forwards
+# setup_context is defined, only to fill in defaults: the largest single host cost of a training
+# step's norm. These forwards
 # have no defaults and are called positionally, so outside functorch transforms, with no tensor
 # left over from one (apply unwraps those), the C apply it ends in is the same call (from torch
 # 2.14 Function.apply is that C apply itself).
@@ -363,8 +363,8 @@ class _WidenDTensorGain(torch.autograd.Function):
     """``weight.to(dtype)`` for a DTensor gain narrower than the compute dtype, whose backward sums
     the ranks' parts of ``dweight`` (a ``Partial`` where ``x`` is sharded) in the compute dtype
     before rounding to the gain's dtype, once, as one process does. DTensor's own backward of the
-    cast would round each rank's part to bf16 first and add them in bf16 (measured: 20 of 64
-    elements 1-2 ulps off the one-process gradient). Costs an all-reduce of the ``[d]`` gradient
+    cast would round each rank's part to bf16 first and add them in bf16 (ulps off the
+    one-process gradient). Costs an all-reduce of the ``[d]`` gradient
     in each backward (with gradient accumulation, one per micro-batch where a ``Partial`` would be
     reduced once per step)."""
 
@@ -398,8 +398,8 @@ def _rows(t: torch.Tensor, name: str) -> torch.Tensor:
     its leading dims do not collapse to one row stride), in ``t``'s own shape.
 
     Not flattened to 2-D: the ops and launchers take any leading shape, and each flattening view
-    (of x and the residual in, of y and residual_out out) is a node of the autograd graph, ~18 us of
-    a 3-D training step's ~87 on the CI machine (a 2-D one: ~69). Tensor subclasses (DTensor) pass
+    (of x and the residual in, of y and residual_out out) is a node of the autograd graph, a
+    fifth of a 3-D training step's host time. Tensor subclasses (DTensor) pass
     as they are: flattening a DTensor sharded on a row dim would be a redistribution.
     """
     check_input(t, name)

@@ -81,9 +81,8 @@ if "NUMBA_THREADING_LAYER" not in os.environ:
 F32, BF16, F16, F64 = 0, 1, 2, 3
 DTYPE_CODES = {torch.float32: F32, torch.bfloat16: BF16, torch.float16: F16, torch.float64: F64}
 
-# Below this many elements a call runs on the calling thread: a launch on a warm pool costs ~1.5
-# µs, and two threads win from ~12K elements on (measured at widths 512, 1536 and 7168: at 32K
-# elements 7 µs instead of 10-11 serially).
+# Below this many elements a call runs on the calling thread: a launch on the pool costs more than
+# a second thread saves.
 SERIAL_NUMEL = 1 << 14
 # Vector lanes torch's CPU sum uses for fp32 (doubles: half as many).
 SUM_LANES = 8
@@ -424,18 +423,10 @@ def _store_scaled_row(addr, offset, code, buf, w_addr, rstd, n, cast_hf):
 
 # Software prefetch of the next row, interleaved with the store pass (see _forward_rows): every
 # _PREFETCH_BYTES of output stored, the matching 64-byte lines of the next row's inputs are
-# requested. Measured at [4096, 7168] bf16 in place on 2 threads: 4.6-4.9 ms without, 3.5 ms with
-# 256-byte chunks (128: 3.7, 512 at two rows ahead: 3.7; 1-2 KiB chunks made it slower than none:
-# 5.7-5.9 ms). It pays only for rows that come from DRAM: rows of at
-# least _PREFETCH_MIN_WIDTH elements (at 512 it cost 3-5%) and a thread's share of x of at least
-# _PREFETCH_MIN_BYTES (at [256, 7168], in L3, it cost ~10%). In place (the sum written over the
-# residual and y over x) it pays from L3 too, for rows of at least
-# _PREFETCH_IN_PLACE_MIN_WIDTH elements once a thread's share of x passes its 2 MiB L2: both
-# kernels in one process on the same tensors, bf16 on 2 threads, warm, [768, 7168] 17-22% faster,
-# [1024-1536, 4096] 12-27%, cold [512-1024, 7168] 16-19%, fp32 [192-512, 7168] 1.3-1.7x; below
-# that share, [128-256, 7168], it lost 1-17%; on 1 thread, [512, 7168] 11-22% faster, [256, 7168]
-# and [512, 4096] within +-6%. Plain calls showed no steady gain below _PREFETCH_MIN_BYTES
-# (between -20% and +10% by process), nor did fused ones out of place.
+# requested. It pays only for rows that come from DRAM: rows of at least _PREFETCH_MIN_WIDTH
+# elements and a thread's share of x of at least _PREFETCH_MIN_BYTES; in place (the sum written
+# over the residual and y over x) also from L3, for rows of at least _PREFETCH_IN_PLACE_MIN_WIDTH
+# once a thread's share of x passes its L2. Elsewhere it costs time.
 _PREFETCH_BYTES = 256
 _PREFETCH_MIN_WIDTH = 1024
 _PREFETCH_MIN_BYTES = 8 << 20
@@ -1464,12 +1455,9 @@ def dweight_block_rows(rows: int) -> int:
     return max(16, -(-rows // 256))
 
 
-# Small backwards run on the calling thread: a launch on the pool costs ~4-5 us, so two threads pay
-# off once the serial kernel takes ~10 us, about when rows * (n + BWD_ROW_COST) reaches
-# BWD_SERIAL_WORK (a row's own work, its reductions and loads, costs about as much as 128 more
-# elements). Measured on the CI machine, bf16, serial against two threads: [128, 32] 9.2 against
-# 9.4 us, [128, 64] 8.9 / 10.0, [64, 256] 9.2 / 9.9 and [32, 512] 8.9 / 9.6 stay serial; [256, 8]
-# 12.9 / 11.1, [256, 32] 14.5 / 13.5 and [128, 128] 10.9 / 10.7 take two threads.
+# Small backwards run on the calling thread: two threads pay off only once the serial kernel takes
+# about twice a pool launch, about when rows * (n + BWD_ROW_COST) reaches BWD_SERIAL_WORK (a row's
+# own work, its reductions and loads, costs about as much as 128 more elements).
 BWD_ROW_COST = 128
 BWD_SERIAL_WORK = 1 << 15
 # The serial backward's compiled entry points by compute dtype (as _serial_entry: skips the
@@ -1546,10 +1534,9 @@ _madvise = _make_libc()
 # a freed block that large, and glibc hands the top of its heap back to the OS whenever more than
 # its trim threshold (twice that block) lies free there. A fused call frees two or more such
 # outputs together, which can exceed the threshold: then every call returns the pages and faults
-# them back in (measured at [64, 1, 7168] bf16: 416 faults and 560 µs a call instead of 60 µs, in
-# four runs out of five, depending on the heap's layout). One freed block of ``_PRIME_OUTPUTS``
-# times an output's size raises glibc's thresholds above what a call frees, the adjustment glibc
-# makes by itself when a program frees such a block; the block is not written (unless
+# them back in (a call then costs several times as much, depending on the heap's layout). One
+# freed block of ``_PRIME_OUTPUTS`` times an output's size raises glibc's thresholds above what a
+# call frees, the adjustment glibc makes by itself when a program frees such a block; the block is not written (unless
 # torch.use_deterministic_algorithms fills new memory), so it costs an mmap/munmap once per new
 # largest size. Outputs stay separate fresh tensors.
 _PRIME_MIN_BYTES = 64 << 10
@@ -1608,8 +1595,8 @@ def _fills_new_memory() -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
-# The decode kernel's entry point: at [1, 1, 1536] the kernel needs ~0.3 µs, the dispatcher's
-# type resolution ~0.2 µs more, so the lane below calls the compiled entry point directly.
+# The decode kernel's entry point: at decode sizes the dispatcher's type resolution costs about
+# as much as the kernel, so the lane below calls the compiled entry point directly.
 
 _DECODE_CODES = {torch.bfloat16: BF16, torch.float16: F16, torch.float32: F32}
 _F32 = torch.float32
@@ -1633,8 +1620,7 @@ def _compile_decode():
 # what the dispatcher would run), tensor types, dtypes, shapes, devices, an fp32 weight and valid
 # options; then it allocates and calls the kernel. It only *recognises*: anything else (a bad
 # argument included) returns None and goes the general way, where every error is raised. A decode
-# norm is then one attribute pass, one allocation and the kernel (the goal is within 2x of a
-# ``torch.add`` of the same tensor, ~1.2 µs here).
+# norm is then one attribute pass, one allocation and the kernel.
 
 _is_grad_enabled = torch.is_grad_enabled
 _inference_mode_enabled = torch.is_inference_mode_enabled

@@ -52,8 +52,9 @@ def dispatch_free() -> bool:
     first: nothing after it needs tracing), functorch transform, torch dispatch or function mode,
     torch.jit trace (which records ops, not what an implementation does) or torch.profiler (which
     records ops at the dispatcher) and no forward-mode AD level (a dual input's tangent would be
-    dropped). Then calling an op's implementation directly is indistinguishable from calling the op. The probes are torch's C functions without their Python
-    wrappers: this runs on every decode call."""
+    dropped). Then calling an op's implementation directly is indistinguishable from calling the
+    op. The probes are torch's C functions without their Python wrappers: this runs on every
+    decode call."""
     return not (
         _is_compiling() or _functorch_level() is not None or _dispatch_modes() or _function_modes()
         or _tracing_state() or _profiler_enabled() or _forward_ad._current_level >= 0

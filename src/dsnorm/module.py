@@ -87,8 +87,8 @@ class RMSNorm(nn.Module):
     ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]: ...
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        # nn.Module.__call__ costs ~0.9 µs before forward starts, and ``self.weight`` another 0.4
-        # (a Module.__getattr__ lookup): most of a decode norm. When nothing could make
+        # nn.Module.__call__ before forward starts, and ``self.weight`` (a Module.__getattr__
+        # lookup), cost most of a decode norm. When nothing could make
         # nn.Module.__call__ do more than call this class's own forward (no hooks, local or
         # global; no module-level compile; nobody has patched nn.Module.__call__, as FX and
         # quantization tools do while they run; forward and weight not overridden on the instance

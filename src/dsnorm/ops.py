@@ -101,8 +101,7 @@ lib.define(
 
 
 def _rstd_like(x: torch.Tensor) -> torch.Tensor:
-    # The leading sizes as separate ints: new_empty parses a torch.Size argument more slowly (~1.7
-    # us against ~1.1 on the CI machine's CPU, once per training forward).
+    # The leading sizes as separate ints: new_empty parses a torch.Size argument more slowly.
     lead = x.shape[:-1]
     return x.new_empty(*lead, dtype=compute_dtype(x.dtype)) if lead else x.new_empty((), dtype=compute_dtype(x.dtype))
 
@@ -273,7 +272,7 @@ def fused_add_rms_norm_bwd(dy, x, residual, weight, rstd, dresidual_out, residua
 # saved tensors passed the forward op's checks (the Functions test them with
 # backward_inputs_match, in case they were replaced since), and autograd hands in output gradients of the
 # outputs' shape, dtype and device (it casts a gradient of another dtype, refuses another shape
-# or device). The checks cost ~4 us a fused call on the CI machine, ~5x that on a GPU host.
+# or device). At training sizes the checks cost more host time than the backward's launch.
 
 
 def rms_norm_bwd_unchecked(dy, x, weight, rstd):
