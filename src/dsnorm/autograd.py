@@ -6,14 +6,17 @@
 
 When no gradient is needed the functions skip the Function (nothing is saved), and in plain
 eager code they, and the Functions' forward and backward, call the op's implementation directly: at
-decode sizes the dispatcher's round trip (~2.5 µs a call on the CI machine) costs more than the
-norm. The op itself is used whenever anything could observe the difference: torch.compile
-tracing, tensor subclasses (DTensor, FakeTensor), functorch transforms, and torch function or
-dispatch modes (CommDebugMode, FlopCounterMode...). In grad mode the common case (plain
+decode sizes the dispatcher's round trip costs more than the norm. The op itself is used whenever
+anything could observe the difference: torch.compile tracing, tensor subclasses (DTensor,
+FakeTensor), functorch transforms, and torch function or dispatch modes (CommDebugMode,
+FlopCounterMode...). In grad mode the common case (plain
 contiguous tensors, options checked before) takes a training lane: one proof of what the checks
-would establish (``ops.train_lane_plain`` / ``train_lane_fused``), then the same Function, told by
-its ``cast`` argument (``_Proved``) to skip them (a fused training forward ~20 -> ~15 us on the CI
-machine's CPU).
+would establish (``spec.train_lane_plain`` / ``train_lane_fused``), then the same Function, told by
+its ``checked`` argument to skip them.
+
+Each function tries the CPU fast lane (``ops.lane``) once, first; when it declines, the rest of the
+function (``_rms_norm`` and friends, which the module calls too after its own attempt) never tries
+it again: it calls the ops' ``*_checked`` impls.
 """
 
 from __future__ import annotations
@@ -24,6 +27,28 @@ import torch
 
 from dsnorm import ops
 from dsnorm.ref import EPS, compute_dtype
+from dsnorm.dispatch import (
+    _is_compiling,
+    _is_wrapped,
+    _transforms_active,
+    dispatch_free,
+    is_dtensor,
+    plain_memory,
+    refuse_forward_ad,
+)
+from dsnorm.rows import readable_rows
+from dsnorm.spec import (
+    INPUT_DTYPES,
+    Form,
+    backward_inputs_match,
+    check_backward,
+    check_dense,
+    check_input,
+    check_residual,
+    refuse_inplace_grad,
+)
+
+_PLAIN, _FUSED, _INPLACE = Form.PLAIN, Form.FUSED, Form.INPLACE
 
 _infer = torch.ops.dsnorm.rms_norm
 _fused_infer = torch.ops.dsnorm.fused_add_rms_norm
@@ -79,15 +104,15 @@ def _first_order_only(what: str, grads: tuple, depends_on: tuple) -> tuple:
 
 
 # In plain eager code the backwards call the kernels without the backward ops' checks (see
-# ops.rms_norm_bwd_unchecked; ~4 us a fused call on the CI machine). The saved tensors passed
+# ops.rms_norm_bwd_unchecked). The saved tensors passed
 # the forward's checks, but can be other tensors by now: a saved-tensor hook's unpack, or an
-# input's .data reassigned (which bumps no version). ops.backward_inputs_match compares them with
+# input's .data reassigned (which bumps no version). backward_inputs_match compares them with
 # dy (which autograd has matched to y); on a mismatch the op's checks name it. Under
 # torch.compile the backward is the op's.
 
 
 def _plain_setup(ctx, inputs, output):
-    x, weight, _, _ = inputs
+    x, weight = inputs[:2]
     ctx.save_for_backward(x, weight, output[1])
     ctx.mark_non_differentiable(output[1])
     ctx.set_materialize_grads(False)
@@ -121,8 +146,8 @@ def _plain_backward(what, ctx, dy_in):
 def _plain_grads(dy_in, x, weight, rstd):
     dy = torch.zeros_like(x) if dy_in is None else _dense(dy_in)
     if _direct(dy, x, weight, rstd) and not _legacy_batched(dy):
-        if not ops.backward_inputs_match(dy, x, weight, rstd):
-            ops.check_backward(dy, x, weight, rstd)
+        if not backward_inputs_match(dy, x, weight, rstd):
+            check_backward(dy, x, weight, rstd)
         return ops.rms_norm_bwd_unchecked(dy, x, weight, rstd)
     return _bwd(dy, x, weight, rstd)
 
@@ -138,7 +163,8 @@ def _plain_grads(dy_in, x, weight, rstd):
 
 
 def _fused_setup(ctx, inputs, output):
-    x, residual, weight, _, _, residual_rounding, _ = inputs
+    x, residual, weight = inputs[:3]
+    residual_rounding = inputs[5]
     ctx.save_for_backward(x, residual, weight, output[2])
     ctx.mark_non_differentiable(output[2])
     ctx.set_materialize_grads(False)
@@ -173,56 +199,47 @@ def _fused_grads(ctx, dy_in, dresidual_out, x, residual, weight, rstd):
     dy = _dense(dy_in)
     if (_direct(dy, x, residual, weight, rstd, *(() if dro is None else (dro,)))
             and not (_legacy_batched(dy) or (dro is not None and _legacy_batched(dro)))):
-        if not ops.backward_inputs_match(dy, x, weight, rstd, residual, dro):
-            ops.check_backward(dy, x, weight, rstd, residual, dro)
+        if not backward_inputs_match(dy, x, weight, rstd, residual, dro):
+            check_backward(dy, x, weight, rstd, residual, dro)
         dx, dresidual, dweight = ops.fused_add_rms_norm_bwd_unchecked(
             dy, x, residual, weight, rstd, dro, ctx.residual_rounding == "round_first", not ctx.share_dresidual)
         return dx, dx if dresidual is None else dresidual, dweight
     return _fused_bwd(dy, x, residual, weight, rstd, dro, ctx.residual_rounding)
 
 
-class _Proved(str):
-    """The ``cast`` the training lane hands the Functions (``_PROVED[cast]``): their arguments passed
-    ``ops.train_lane_plain`` / ``train_lane_fused``, so the forward skips the checks those prove.
-    A str equal to the cast it spells, so everything downstream reads it as that cast; carried as
-    an argument, not as state, so one Function class (one grad_fn, one compiled-autograd node)
-    serves both paths."""
-
-    __slots__ = ()
-
-
-_PROVED = {cast: _Proved(cast) for cast in ("deepseek", "hf")}
-
-
 class RMSNormFunction(torch.autograd.Function):
     """``rms_norm`` on ``[..., n]`` input; weight in the compute dtype. Returns ``(y, rstd)``
     (``rstd`` not differentiable). New-style (forward without ctx, ``setup_context``) so that
-    ``torch.func`` transforms work: vmap through the ops (``generate_vmap_rule``), grad, jacrev."""
+    ``torch.func`` transforms work: vmap through the ops (``generate_vmap_rule``), grad, jacrev.
+    ``checked``: the arguments passed the training lane's proof (``spec.train_lane_plain``), so the
+    forward skips the checks; an argument, not state, so that one Function class (one grad_fn, one
+    compiled-autograd node) serves both paths."""
 
     generate_vmap_rule = True
     setup_context = staticmethod(_plain_setup)
 
     @staticmethod
-    def forward(x, weight, eps, cast):
-        if type(cast) is _Proved:  # the training lane's call: its arguments are proved
+    def forward(x, weight, eps, cast, checked):
+        if checked:
             return ops.rms_norm_fwd_unchecked(x, weight, eps, cast)
         return (ops.rms_norm_fwd if _direct(x, weight) else _fwd)(x, weight, eps, cast)
 
     @staticmethod
     def backward(ctx, dy, _drstd):
-        return _plain_backward("rms_norm", ctx, dy)
+        return (*_plain_backward("rms_norm", ctx, dy), None)
 
 
 class FusedAddRMSNormFunction(torch.autograd.Function):
     """``fused_add_rms_norm`` on ``[..., n]`` inputs; weight in the compute dtype. Returns
-    ``(y, residual_out, rstd)`` (``rstd`` not differentiable); new-style, as RMSNormFunction."""
+    ``(y, residual_out, rstd)`` (``rstd`` not differentiable); new-style, as RMSNormFunction
+    (``checked``: proved by ``spec.train_lane_fused``)."""
 
     generate_vmap_rule = True
     setup_context = staticmethod(_fused_setup)
 
     @staticmethod
-    def forward(x, residual, weight, eps, cast, residual_rounding, residual_dtype):
-        if type(cast) is _Proved:  # the training lane's call: its arguments are proved
+    def forward(x, residual, weight, eps, cast, residual_rounding, residual_dtype, checked):
+        if checked:
             return ops.fused_add_rms_norm_fwd_unchecked(x, residual, weight, eps, cast, residual_rounding,
                                                         residual_dtype)
         fwd = ops.fused_add_rms_norm_fwd if _direct(x, residual, weight) else _fused_fwd
@@ -230,7 +247,7 @@ class FusedAddRMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, dresidual_out, _drstd):
-        return _fused_backward("fused_add_rms_norm", ctx, dy, dresidual_out)
+        return (*_fused_backward("fused_add_rms_norm", ctx, dy, dresidual_out), None)
 
 
 # The autograd node of a FusedAddRMSNormFunction output (see _fused_setup).
@@ -241,11 +258,10 @@ _FUSED_NODE = FusedAddRMSNormFunction._backward_cls
 # Python op (not serialisable by torch.jit.save) in grad mode and the plain op under no_grad, where
 # jit.trace's check re-runs the model: "Graphs differed across invocations".
 _jit_tracing = torch._C._get_tracing_state
-# The public functions read ops.lane only when dynamo is not tracing: dynamo would guard on the
-# lane being unloaded, and the compiled graph's own op call loads it, so the second call would
-# recompile (and raise under torch.compiler.set_stance("fail_on_recompile")). Dynamo folds this
-# call to True without a guard; eagerly it costs ~50 ns.
-_is_compiling = ops._is_compiling
+# The public functions read ops.lane only when dynamo is not tracing (_is_compiling): dynamo would
+# guard on the lane being unloaded, and the compiled graph's own op call loads it, so the second
+# call would recompile (and raise under torch.compiler.set_stance("fail_on_recompile")). Dynamo
+# folds that call to True without a guard.
 torch.library.register_autograd(
     "dsnorm::rms_norm_fwd", lambda ctx, dy, _drstd: _plain_backward("rms_norm_fwd", ctx, dy),
     setup_context=_plain_setup, lib=ops.lib)
@@ -254,30 +270,27 @@ torch.library.register_autograd(
     lambda ctx, dy, dresidual_out, _drstd: _fused_backward("fused_add_rms_norm_fwd", ctx, dy, dresidual_out),
     setup_context=_fused_setup, lib=ops.lib)
 
-_plain_memory = ops.plain_memory
 # torch.autograd.graph.increment_version without its Python wrapper (this runs per decode call).
 _increment_version = torch._C._increment_version
 
 
 def _direct(*tensors) -> bool:
     """True when calling the op's implementation directly is indistinguishable from the op."""
-    if not ops.dispatch_free():
+    if not dispatch_free():
         return False
     for t in tensors:
-        if not _plain_memory(t):
+        if not plain_memory(t):
             return False
     return True
 
 
 # Function.apply (torch <= 2.13) binds its arguments to forward's signature with inspect whenever
-# setup_context is defined, only to fill in defaults: ~11 us a call on the CI machine, ~5x that on
-# the H200 machine's host, the largest single host cost of a training step's norm. These forwards
+# setup_context is defined, only to fill in defaults: the largest single host cost of a training
+# step's norm. These forwards
 # have no defaults and are called positionally, so outside functorch transforms, with no tensor
 # left over from one (apply unwraps those), the C apply it ends in is the same call (from torch
 # 2.14 Function.apply is that C apply itself).
 _c_apply = torch._C._FunctionBase.__dict__["apply"]
-_transforms_active = ops._transforms_active
-_is_wrapped = ops._is_wrapped
 
 
 def _apply(function, *args):
@@ -327,21 +340,21 @@ def _compute_weight(weight: torch.Tensor, x: torch.Tensor, name: str = "weight",
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{x_name} must be a torch.Tensor, got {type(x).__name__}")
     if weight.layout is not torch.strided:
-        ops.check_dense(weight, name)
+        check_dense(weight, name)
     # The kernels read the gain with unit stride: a strided or expanded one is copied (it is small).
     wdtype = weight.dtype
     # A ZeroTensor has no memory (the dispatcher would hand the op an expanded zero); the probe is
     # eager-only: dynamo cannot trace it, and compiled graphs materialise zero tensors themselves.
-    if not ops._is_compiling() and weight._is_zerotensor():
+    if not _is_compiling() and weight._is_zerotensor():
         weight = weight.clone()  # materialised zeros, still differentiable
     if wdtype is torch.float32 and x.dtype is not torch.float64:  # the common case, in three reads
         return weight if weight.is_contiguous() else weight.contiguous()
-    if wdtype not in ops.INPUT_DTYPES:
+    if wdtype not in INPUT_DTYPES:
         raise TypeError(f"{name} must be float32, bfloat16, float16 or float64, got {wdtype}")
-    cdtype = compute_dtype(x.dtype) if x.dtype in ops.INPUT_DTYPES else torch.float32
+    cdtype = compute_dtype(x.dtype) if x.dtype in INPUT_DTYPES else torch.float32
     if wdtype == cdtype:
         return weight.contiguous()
-    if ops.is_dtensor(weight):
+    if is_dtensor(weight):
         return _WidenDTensorGain.apply(weight, cdtype).contiguous()
     return weight.to(cdtype).contiguous()
 
@@ -350,8 +363,8 @@ class _WidenDTensorGain(torch.autograd.Function):
     """``weight.to(dtype)`` for a DTensor gain narrower than the compute dtype, whose backward sums
     the ranks' parts of ``dweight`` (a ``Partial`` where ``x`` is sharded) in the compute dtype
     before rounding to the gain's dtype, once, as one process does. DTensor's own backward of the
-    cast would round each rank's part to bf16 first and add them in bf16 (measured: 20 of 64
-    elements 1-2 ulps off the one-process gradient). Costs an all-reduce of the ``[d]`` gradient
+    cast would round each rank's part to bf16 first and add them in bf16 (ulps off the
+    one-process gradient). Costs an all-reduce of the ``[d]`` gradient
     in each backward (with gradient accumulation, one per micro-batch where a ``Partial`` would be
     reduced once per step)."""
 
@@ -362,7 +375,7 @@ class _WidenDTensorGain(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        if ops.is_dtensor(grad):
+        if is_dtensor(grad):
             from torch.distributed.tensor import Replicate
 
             # Unconditionally (a no-op for a replicated gradient): under torch.compile the traced
@@ -385,14 +398,14 @@ def _rows(t: torch.Tensor, name: str) -> torch.Tensor:
     its leading dims do not collapse to one row stride), in ``t``'s own shape.
 
     Not flattened to 2-D: the ops and launchers take any leading shape, and each flattening view
-    (of x and the residual in, of y and residual_out out) is a node of the autograd graph, ~18 us of
-    a 3-D training step's ~87 on the CI machine (a 2-D one: ~69). Tensor subclasses (DTensor) pass
+    (of x and the residual in, of y and residual_out out) is a node of the autograd graph, a
+    fifth of a 3-D training step's host time. Tensor subclasses (DTensor) pass
     as they are: flattening a DTensor sharded on a row dim would be a redistribution.
     """
-    ops.check_input(t, name)
+    check_input(t, name)
     if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
         return t
-    return ops.readable_rows(t)
+    return readable_rows(t)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = EPS, *, cast: str = "deepseek") -> torch.Tensor:
@@ -411,20 +424,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = EPS, *, cast: s
     """
     lane = None if _is_compiling() else ops.lane  # see _is_compiling's comment
     if lane is not None:
-        y = lane(0, x, None, weight, eps, cast, None, None)  # 0: ops.LANE_PLAIN
+        y = lane(_PLAIN, x, None, weight, eps, cast, None, None)
         if y is not None:
             return y
+    return _rms_norm(x, weight, eps, cast)
+
+
+def _rms_norm(x, weight, eps, cast):
+    """``rms_norm`` past the fast lane (tried by the caller, or not loaded yet)."""
     w = _compute_weight(weight, x)
-    ops.refuse_forward_ad("dsnorm.rms_norm", x, w)
+    refuse_forward_ad("dsnorm.rms_norm", x, w)
     if _jit_tracing():
         return _fwd(x, w, eps, cast)[0]
     if not _needs_grad(x, w):
         if _direct(x, w):
-            return ops.rms_norm(x, w, eps, cast)
+            return ops.rms_norm_checked(x, w, eps, cast)
         return _infer(x, w, eps, cast)
-    if ops.train_lane_plain(x, w, eps, cast) and cast in _PROVED:
-        return _plain_lane(x, w, eps, _PROVED[cast])[0]
-    return _apply(RMSNormFunction, _rows(_savable(x), "x"), _savable(w), eps, cast)[0]
+    if ops.train_lane_plain(x, w, eps, cast):
+        return _plain_lane(x, w, eps, cast, True)[0]
+    return _apply(RMSNormFunction, _rows(_savable(x), "x"), _savable(w), eps, cast, False)[0]
 
 
 def fused_add_rms_norm(
@@ -467,27 +485,32 @@ def fused_add_rms_norm(
     """
     lane = None if _is_compiling() else ops.lane
     if lane is not None:
-        out = lane(1, x, residual, weight, eps, cast, residual_rounding, residual_dtype)  # 1: ops.LANE_FUSED
+        out = lane(_FUSED, x, residual, weight, eps, cast, residual_rounding, residual_dtype)
         if out is not None:
             return out
+    return _fused_add_rms_norm(x, residual, weight, eps, cast, residual_rounding, residual_dtype)
+
+
+def _fused_add_rms_norm(x, residual, weight, eps, cast, residual_rounding, residual_dtype):
+    """``fused_add_rms_norm`` past the fast lane (as ``_rms_norm``)."""
     w = _compute_weight(weight, x)
     if not isinstance(residual, torch.Tensor):
         raise TypeError(f"residual must be a torch.Tensor, got {type(residual).__name__}")
-    ops.refuse_forward_ad("dsnorm.fused_add_rms_norm", x, residual, w)
+    refuse_forward_ad("dsnorm.fused_add_rms_norm", x, residual, w)
     if _jit_tracing():
         return tuple(_fused_fwd(x, residual, w, eps, cast, residual_rounding, residual_dtype)[:2])
     if not _needs_grad(x, residual, w):
         if _direct(x, residual, w):
-            return ops.fused_add_rms_norm(x, residual, w, eps, cast, residual_rounding, residual_dtype)
+            return ops.fused_add_rms_norm_checked(x, residual, w, eps, cast, residual_rounding, residual_dtype)
         return _fused_infer(x, residual, w, eps, cast, residual_rounding, residual_dtype)
-    if ops.train_lane_fused(x, residual, w, eps, cast, residual_rounding, residual_dtype) and cast in _PROVED:
-        y, residual_out, _ = _fused_lane(x, residual, w, eps, _PROVED[cast], residual_rounding, None)
+    if ops.train_lane_fused(x, residual, w, eps, cast, residual_rounding, residual_dtype):
+        y, residual_out, _ = _fused_lane(x, residual, w, eps, cast, residual_rounding, None, True)
         return y, residual_out
     x_rows = _rows(_savable(x), "x")  # x first: the residual's checks are stated in terms of x
-    ops.check_residual(residual, x, residual_dtype)
+    check_residual(residual, x, residual_dtype)
     y, residual_out, _ = _apply(
         FusedAddRMSNormFunction, x_rows, _rows(_savable(residual), "residual"), _savable(w), eps, cast, residual_rounding,
-        residual_dtype,
+        residual_dtype, False,
     )
     return y, residual_out
 
@@ -519,15 +542,15 @@ def fused_add_rms_norm_(
     """
     lane = None if _is_compiling() else ops.lane
     if lane is not None:
-        out = lane(2, x, residual, weight, eps, cast, residual_rounding, residual_dtype)  # 2: ops.LANE_INPLACE
+        out = lane(_INPLACE, x, residual, weight, eps, cast, residual_rounding, residual_dtype)
         if out is not None:
             _increment_version(out)  # what the dispatcher does for a mutating op
             return out
     w = _compute_weight(weight, x)
     if not isinstance(residual, torch.Tensor):
         raise TypeError(f"residual must be a torch.Tensor, got {type(residual).__name__}")
-    ops.refuse_forward_ad("dsnorm.fused_add_rms_norm_", x, residual, w)
-    ops.refuse_inplace_grad(x, residual, w)  # here too: this route does not pass the dispatcher
+    refuse_forward_ad("dsnorm.fused_add_rms_norm_", x, residual, w)
+    refuse_inplace_grad(x, residual, w)  # here too: this route does not pass the dispatcher
     for name, t in (("x", x), ("residual", residual)):
         # The dispatcher has no way to write a mutating op's result through a negated view. (An
         # eager-only probe: dynamo cannot trace it, and compiled graphs functionalise the write.)
@@ -542,7 +565,7 @@ def fused_add_rms_norm_(
                 f"got {residual.dtype}"
             )
     if _direct(x, residual, w):
-        ops.fused_add_rms_norm_inplace(x, residual, w, eps, cast, residual_rounding)
+        ops.fused_add_rms_norm_inplace_checked(x, residual, w, eps, cast, residual_rounding)
         # What the dispatcher would have done for a mutating op: saved-tensor checks see the write.
         _increment_version((x, residual))
     else:

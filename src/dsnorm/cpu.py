@@ -60,11 +60,16 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from dsnorm import ops as _ops
-from dsnorm.ops import PLAIN_TYPES as _PLAIN_TYPES
-from dsnorm.ops import EPS_MAX as _EPS_MAX
-from dsnorm.ops import EPS_MIN as _EPS_MIN
-from dsnorm.ops import dispatch_free, row_stride, rows_viewable
+from dsnorm import forking as _forking
+from dsnorm.dispatch import PLAIN_TYPES as _PLAIN_TYPES
+from dsnorm.dispatch import dispatch_free
+from dsnorm.rows import row_stride, rows_viewable
+from dsnorm.spec import CAST_HF as _CASTS_HF
+from dsnorm.spec import EPS_MAX as _EPS_MAX
+from dsnorm.spec import EPS_MIN as _EPS_MIN
+from dsnorm.spec import ROUND_FIRST as _ROUNDINGS_FIRST
+from dsnorm.spec import WIDENED_RESIDUALS as _WIDENED_RESIDUALS
+from dsnorm.spec import Form
 
 # Threads: numba's "threadsafe" layers (tbb when installed, else omp) may be entered from several
 # Python threads at once (its default workqueue layer may not); respect a layer the user chose
@@ -76,9 +81,8 @@ if "NUMBA_THREADING_LAYER" not in os.environ:
 F32, BF16, F16, F64 = 0, 1, 2, 3
 DTYPE_CODES = {torch.float32: F32, torch.bfloat16: BF16, torch.float16: F16, torch.float64: F64}
 
-# Below this many elements a call runs on the calling thread: a launch on a warm pool costs ~1.5
-# µs, and two threads win from ~12K elements on (measured at widths 512, 1536 and 7168: at 32K
-# elements 7 µs instead of 10-11 serially).
+# Below this many elements a call runs on the calling thread: a launch on the pool costs more than
+# a second thread saves.
 SERIAL_NUMEL = 1 << 14
 # Vector lanes torch's CPU sum uses for fp32 (doubles: half as many).
 SUM_LANES = 8
@@ -419,18 +423,10 @@ def _store_scaled_row(addr, offset, code, buf, w_addr, rstd, n, cast_hf):
 
 # Software prefetch of the next row, interleaved with the store pass (see _forward_rows): every
 # _PREFETCH_BYTES of output stored, the matching 64-byte lines of the next row's inputs are
-# requested. Measured at [4096, 7168] bf16 in place on 2 threads: 4.6-4.9 ms without, 3.5 ms with
-# 256-byte chunks (128: 3.7, 512 at two rows ahead: 3.7; 1-2 KiB chunks made it slower than none:
-# 5.7-5.9 ms). It pays only for rows that come from DRAM: rows of at
-# least _PREFETCH_MIN_WIDTH elements (at 512 it cost 3-5%) and a thread's share of x of at least
-# _PREFETCH_MIN_BYTES (at [256, 7168], in L3, it cost ~10%). In place (the sum written over the
-# residual and y over x) it pays from L3 too, for rows of at least
-# _PREFETCH_IN_PLACE_MIN_WIDTH elements once a thread's share of x passes its 2 MiB L2: both
-# kernels in one process on the same tensors, bf16 on 2 threads, warm, [768, 7168] 17-22% faster,
-# [1024-1536, 4096] 12-27%, cold [512-1024, 7168] 16-19%, fp32 [192-512, 7168] 1.3-1.7x; below
-# that share, [128-256, 7168], it lost 1-17%; on 1 thread, [512, 7168] 11-22% faster, [256, 7168]
-# and [512, 4096] within +-6%. Plain calls showed no steady gain below _PREFETCH_MIN_BYTES
-# (between -20% and +10% by process), nor did fused ones out of place.
+# requested. It pays only for rows that come from DRAM: rows of at least _PREFETCH_MIN_WIDTH
+# elements and a thread's share of x of at least _PREFETCH_MIN_BYTES; in place (the sum written
+# over the residual and y over x) also from L3, for rows of at least _PREFETCH_IN_PLACE_MIN_WIDTH
+# once a thread's share of x passes its L2. Elsewhere it costs time.
 _PREFETCH_BYTES = 256
 _PREFETCH_MIN_WIDTH = 1024
 _PREFETCH_MIN_BYTES = 8 << 20
@@ -1350,7 +1346,7 @@ def _fresh_locks_in_child() -> None:
     # A fork copies a lock held by another thread (a parallel launch, which runs without the GIL,
     # or a first compile) in its held state, and no thread of the child will release it: the
     # child's first parallel call or compile would wait forever (the workqueue layer serves a
-    # forked child; the omp layer's child runs serially, ops._after_fork_in_child).
+    # forked child; the omp layer's child runs serially, dsnorm.forking).
     global _compile_lock, _pool_lock
     _compile_lock = threading.Lock()
     if _pool_lock is not None:
@@ -1378,7 +1374,7 @@ def _threads(numel: int) -> int:
     global _fork_warned
     if numel < SERIAL_NUMEL:
         return 1
-    if _ops.forked_after_pool:  # see dsnorm.ops._after_fork_in_child
+    if _forking.forked_after_pool:  # see dsnorm.forking
         if torch.get_num_threads() > 1 and not _fork_warned:
             _fork_warned = True
             warnings.warn(
@@ -1459,12 +1455,9 @@ def dweight_block_rows(rows: int) -> int:
     return max(16, -(-rows // 256))
 
 
-# Small backwards run on the calling thread: a launch on the pool costs ~4-5 us, so two threads pay
-# off once the serial kernel takes ~10 us, about when rows * (n + BWD_ROW_COST) reaches
-# BWD_SERIAL_WORK (a row's own work, its reductions and loads, costs about as much as 128 more
-# elements). Measured on the CI machine, bf16, serial against two threads: [128, 32] 9.2 against
-# 9.4 us, [128, 64] 8.9 / 10.0, [64, 256] 9.2 / 9.9 and [32, 512] 8.9 / 9.6 stay serial; [256, 8]
-# 12.9 / 11.1, [256, 32] 14.5 / 13.5 and [128, 128] 10.9 / 10.7 take two threads.
+# Small backwards run on the calling thread: two threads pay off only once the serial kernel takes
+# about twice a pool launch, about when rows * (n + BWD_ROW_COST) reaches BWD_SERIAL_WORK (a row's
+# own work, its reductions and loads, costs about as much as 128 more elements).
 BWD_ROW_COST = 128
 BWD_SERIAL_WORK = 1 << 15
 # The serial backward's compiled entry points by compute dtype (as _serial_entry: skips the
@@ -1541,10 +1534,9 @@ _madvise = _make_libc()
 # a freed block that large, and glibc hands the top of its heap back to the OS whenever more than
 # its trim threshold (twice that block) lies free there. A fused call frees two or more such
 # outputs together, which can exceed the threshold: then every call returns the pages and faults
-# them back in (measured at [64, 1, 7168] bf16: 416 faults and 560 µs a call instead of 60 µs, in
-# four runs out of five, depending on the heap's layout). One freed block of ``_PRIME_OUTPUTS``
-# times an output's size raises glibc's thresholds above what a call frees, the adjustment glibc
-# makes by itself when a program frees such a block; the block is not written (unless
+# them back in (a call then costs several times as much, depending on the heap's layout). One
+# freed block of ``_PRIME_OUTPUTS`` times an output's size raises glibc's thresholds above what a
+# call frees, the adjustment glibc makes by itself when a program frees such a block; the block is not written (unless
 # torch.use_deterministic_algorithms fills new memory), so it costs an mmap/munmap once per new
 # largest size. Outputs stay separate fresh tensors.
 _PRIME_MIN_BYTES = 64 << 10
@@ -1603,8 +1595,8 @@ def _fills_new_memory() -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
-# The decode kernel's entry point: at [1, 1, 1536] the kernel needs ~0.3 µs, the dispatcher's
-# type resolution ~0.2 µs more, so the lane below calls the compiled entry point directly.
+# The decode kernel's entry point: at decode sizes the dispatcher's type resolution costs about
+# as much as the kernel, so the lane below calls the compiled entry point directly.
 
 _DECODE_CODES = {torch.bfloat16: BF16, torch.float16: F16, torch.float32: F32}
 _F32 = torch.float32
@@ -1628,34 +1620,32 @@ def _compile_decode():
 # what the dispatcher would run), tensor types, dtypes, shapes, devices, an fp32 weight and valid
 # options; then it allocates and calls the kernel. It only *recognises*: anything else (a bad
 # argument included) returns None and goes the general way, where every error is raised. A decode
-# norm is then one attribute pass, one allocation and the kernel (the goal is within 2x of a
-# ``torch.add`` of the same tensor, ~1.2 µs here).
+# norm is then one attribute pass, one allocation and the kernel.
 
 _is_grad_enabled = torch.is_grad_enabled
 _inference_mode_enabled = torch.is_inference_mode_enabled
 _STRIDED = torch.strided
-_CASTS_HF = {"deepseek": False, "hf": True}
-_ROUNDINGS_FIRST = {"fp32_sum": False, "round_first": True}
 _TENSOR, _PARAMETER = _PLAIN_TYPES
-PLAIN, FUSED, INPLACE = 0, 1, 2
+PLAIN, FUSED, INPLACE = Form.PLAIN, Form.FUSED, Form.INPLACE
 
 
 def lane(form, x, residual, weight, eps, cast, residual_rounding, residual_dtype):
     """The result of a call that needs only the kernel, or None (then the general path runs).
 
-    ``form`` is PLAIN (returns ``y``; residual and its options are ignored), FUSED (``(y,
-    residual_out)``) or INPLACE (``(x, residual)``, written; a caller that bypasses the dispatcher
-    bumps their version counters, as the dispatcher would). Accepted: plain CPU tensors of one
-    dtype (bf16/fp16/fp32; FUSED also takes a residual of another of them, and
+    ``form`` (a :class:`dsnorm.spec.Form`) is PLAIN (returns ``y``; residual and its options are
+    ignored), FUSED (``(y, residual_out)``) or INPLACE (``(x, residual)``, written; a caller that
+    bypasses the dispatcher bumps their version counters, as the dispatcher would). Accepted: plain
+    CPU tensors of one dtype (bf16/fp16/fp32; FUSED also takes a residual of another of them, and
     ``residual_dtype=torch.float32``), an fp32 weight, valid options; contiguous rows, or outside
     INPLACE rows of x with one stride between them (the kv_norm slice). Calls below the serial
     size go straight to the decode kernel's entry point and larger ones to its threaded form,
-    except FUSED calls with strided x or mixed dtypes, which go to ``forward``. Nothing is taken while autograd,
-    torch.compile, torch.jit tracing, functorch, a dispatch/function mode or the profiler is in
-    effect, nor for a tensor with the negative bit (a lazily negated view, ``x.conj().imag``) or a
-    ZeroTensor (no memory; a slice of one has a made-up nonzero address): the dispatcher resolves
-    them, a raw pointer would not; nor, in place, for an inference tensor outside inference mode
-    (which torch does not let be written). The checks are written out in one
+    except FUSED calls with strided x or mixed dtypes, which go to ``forward``. Nothing is taken
+    while autograd, torch.compile, torch.jit tracing, functorch, a dispatch/function mode or the
+    profiler is in effect, nor for a tensor with the negative bit (a lazily negated view,
+    ``x.conj().imag``) or a ZeroTensor (no memory; a slice of one has a made-up nonzero address):
+    the dispatcher resolves them, a raw pointer would not; nor, in place, for an inference tensor
+    outside inference mode (which torch does not let be written). The rules are
+    :mod:`dsnorm.spec`'s (its tables: eps bounds, options, residual dtypes), written out in one
     function, cheapest refusals and the reads every call needs first: at ~40-90 ns per tensor
     attribute and ~60 ns per Python call, they are most of a decode norm.
     """
@@ -1713,7 +1703,7 @@ def lane(form, x, residual, weight, eps, cast, residual_rounding, residual_dtype
     if tr is not _TENSOR and tr is not _PARAMETER:
         return None
     r_dtype = residual.dtype
-    if r_dtype is not dtype and (form == INPLACE or r_dtype not in _DECODE_CODES):
+    if r_dtype is not dtype and (form == INPLACE or r_dtype not in _WIDENED_RESIDUALS):
         return None
     if grad and residual.requires_grad:
         return None

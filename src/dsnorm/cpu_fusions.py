@@ -31,7 +31,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from dsnorm import cpu
-from dsnorm.ops import PLAIN_TYPES as _PLAIN_TYPES
+from dsnorm.dispatch import PLAIN_TYPES as _PLAIN_TYPES
 from dsnorm.cpu import (
     _kernel,
     _EPS_MAX,
@@ -67,7 +67,7 @@ __all__ = ["empty_output", "forward", "rms_norm_fp8", "final_norm_lengths", "mla
 # compile cpu.py's row functions into themselves: a numba cache kept across a change to cpu.py alone
 # (a persistent NUMBA_CACHE_DIR beside a checkout) ran the old code here. So every change to cpu.py
 # changes this file too: this digest of cpu.py is checked by tests/test_fusions.py.
-CPU_SOURCE_SHA256 = "ae1ac00fed84f200579a70bca9b702fb761afa2518481dc3a29839f3781ef87f"
+CPU_SOURCE_SHA256 = "6f6e5681bf48d878366d394f8dbf9b0b53c8c08419f4a1b973b42f35928dd79d"
 
 _ptr_u8 = _pointer_intrinsic(types.uint8, ir.IntType(8))
 _ptr_i64 = _pointer_intrinsic(types.int64, ir.IntType(64))

@@ -16,9 +16,12 @@ from torch.nn.modules.module import (
 )
 
 from dsnorm import ops
-from dsnorm.autograd import fused_add_rms_norm, rms_norm
-from dsnorm.ops import _is_compiling, check_options
+from dsnorm.autograd import _fused_add_rms_norm, _rms_norm, fused_add_rms_norm, rms_norm
+from dsnorm.dispatch import _is_compiling, _tracing_state
 from dsnorm.ref import EPS
+from dsnorm.spec import Form, check_options
+
+_PLAIN, _FUSED = Form.PLAIN, Form.FUSED
 
 _module_call = nn.Module.__call__  # to notice a tool patching it (FX, quantization), never called
 
@@ -84,13 +87,16 @@ class RMSNorm(nn.Module):
     ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]: ...
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        # nn.Module.__call__ costs ~0.9 µs before forward starts, and ``self.weight`` another 0.4
-        # (a Module.__getattr__ lookup): most of a decode norm. When nothing could make
+        # nn.Module.__call__ before forward starts, and ``self.weight`` (a Module.__getattr__
+        # lookup), cost most of a decode norm. When nothing could make
         # nn.Module.__call__ do more than call this class's own forward (no hooks, local or
         # global; no module-level compile; nobody has patched nn.Module.__call__, as FX and
         # quantization tools do while they run; forward and weight not overridden on the instance
         # or in a subclass), the fast lane is that forward for the calls it accepts (it refuses
-        # while torch.jit traces). Everything else takes the usual path.
+        # while torch.jit traces); a call it declines goes on to this class's forward past the lane
+        # (tried once), still without nn.Module.__call__ (which would only call forward), unless
+        # torch.jit traces (nn.Module.__call__ records the module's scope). Everything else takes
+        # the usual path.
         if not (
             kwargs or self._forward_pre_hooks or self._forward_hooks or self._backward_pre_hooks
             or self._backward_hooks or _global_forward_pre_hooks or _global_forward_hooks
@@ -107,13 +113,18 @@ class RMSNorm(nn.Module):
                 and "weight" not in self.__dict__
             ):
                 residual = args[1] if nargs == 2 else None
+                weight = self._parameters.get("weight")
                 out = lane(
-                    0 if residual is None else 1,  # ops.LANE_PLAIN or ops.LANE_FUSED
-                    args[0], residual, self._parameters.get("weight"), self.eps, self.cast,
+                    _PLAIN if residual is None else _FUSED, args[0], residual, weight, self.eps, self.cast,
                     self.residual_rounding, self.residual_dtype,
                 )
                 if out is not None:
                     return out
+                if type(self).forward is _forward and weight is not None and not _tracing_state():
+                    if residual is None:
+                        return _rms_norm(args[0], weight, self.eps, self.cast)
+                    return _fused_add_rms_norm(args[0], residual, weight, self.eps, self.cast,
+                                               self.residual_rounding, self.residual_dtype)
         return super().__call__(*args, **kwargs)
 
     def _lane_takes(self, args: tuple[Any, ...]) -> bool:

@@ -1,0 +1,61 @@
+"""Layers import downward only: the kernels and launchers, and the rules below them, never reach up
+into the ops, the autograd layer or anything above (no import cycle through them)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import dsnorm
+
+PACKAGE = Path(dsnorm.__file__).parent
+
+# Each module's layer may import only from the layers listed for it (dsnorm.* modules; anything
+# outside dsnorm is free). Imports inside functions count too: a lazy import is still a dependency.
+BASE = {"dsnorm.ref", "dsnorm.forking", "dsnorm.dispatch", "dsnorm.rows"}
+SPEC = BASE | {"dsnorm.spec"}
+KERNELS = SPEC | {"dsnorm.cpu", "dsnorm.cpu_fusions", "dsnorm.triton", "dsnorm.triton.kernels",
+                  "dsnorm.triton.launch", "dsnorm.triton.fusions"}
+ALLOWED = {
+    "dsnorm.ref": set(),
+    "dsnorm.forking": set(),
+    "dsnorm.dispatch": set(),
+    "dsnorm.rows": set(),
+    "dsnorm.spec": BASE,
+    "dsnorm.cpu": KERNELS,
+    "dsnorm.cpu_fusions": KERNELS,
+    "dsnorm.triton.kernels": KERNELS,
+    "dsnorm.triton.launch": KERNELS,
+    "dsnorm.triton.fusions": KERNELS,
+    "dsnorm.ops": KERNELS | {"dsnorm.ops"},
+}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _dsnorm_imports(path: Path) -> set:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.split(".")[0] == "dsnorm"}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "dsnorm":
+            # ``from dsnorm import ops`` names a module; ``from dsnorm.spec import Form`` a name in one.
+            names = {f"{node.module}.{a.name}" for a in node.names}
+            found |= {n for n in names if n in ALLOWED or (PACKAGE.parent / (n.replace(".", "/") + ".py")).exists()}
+            found |= {node.module} if node.module != "dsnorm" else set()
+    return found
+
+
+def test_lower_layers_import_nothing_above_them():
+    checked = set()
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = _module_name(path)
+        if name not in ALLOWED:
+            continue
+        checked.add(name)
+        upward = {m for m in _dsnorm_imports(path) if m not in ALLOWED[name] | {name}}
+        assert not upward, f"{name} imports {sorted(upward)} from a layer above it"
+    assert checked == set(ALLOWED), sorted(set(ALLOWED) - checked)
