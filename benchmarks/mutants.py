@@ -149,7 +149,7 @@ MUTANTS = (
         "the in-place form checks its options after writing x and residual",
     ),
     Mutant(
-        "strided_rows_read_as_contiguous", "ops.py",
+        "strided_rows_read_as_contiguous", "rows.py",
         "        if size != 1:\n            return stride\n",
         "        if size != 1:\n            return t.shape[-1]\n",
         ("tests/test_fidelity.py", "-k", "test_strided_rows_read_in_place"),
