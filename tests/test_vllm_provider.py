@@ -170,3 +170,13 @@ def test_missing_vllm_names_the_extra(monkeypatch):
     finally:
         provider.logger.removeHandler(handler)
     assert any("has no vllm.ir" in r.getMessage() for r in records)
+
+
+def test_cli_priority_as_the_docs_write_it():
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    args = parser.parse_args(["--model", "m", "--ir-op-priority",
+                              '{"rms_norm": ["dsnorm"], "fused_add_rms_norm": ["dsnorm"]}'])
+    assert args.ir_op_priority.rms_norm == ["dsnorm"] and args.ir_op_priority.fused_add_rms_norm == ["dsnorm"]

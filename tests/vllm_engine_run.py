@@ -13,7 +13,6 @@ writes the greedy tokens, their logprobs, the norm calls counted in the worker p
 import argparse
 import json
 import os
-import sys
 import time
 
 PROMPT = [11, 57, 203, 4, 99, 150, 7, 311, 42, 8]
@@ -65,6 +64,7 @@ def _install_counters(worker):
     import dsnorm.ops as dsops
 
     counts = collections.Counter()
+    seconds = collections.Counter()  # time inside the eager impls
     worker._dsnorm_counts = counts
     worker._dsnorm_steps = []
 
@@ -72,7 +72,11 @@ def _install_counters(worker):
         for provider, impl in ir_ops.__dict__[name].impls.items():
             def counted(*args, _f=impl.impl_fn, _k=f"{provider}.{name}", **kwargs):
                 counts[_k] += 1
-                return _f(*args, **kwargs)
+                t0 = _time.perf_counter()
+                try:
+                    return _f(*args, **kwargs)
+                finally:
+                    seconds[_k] += _time.perf_counter() - t0
             impl.impl_fn = counted
 
     lib = torch.library.Library("dsnorm", "IMPL")  # kept alive on the worker
@@ -88,12 +92,14 @@ def _install_counters(worker):
     execute = runner.execute_model
 
     def timed(*args, **kwargs):
-        before = dict(counts)
+        before, before_s = dict(counts), dict(seconds)
         t0 = _time.perf_counter()
         out = execute(*args, **kwargs)
         dt = _time.perf_counter() - t0
         delta = {k: v - before.get(k, 0) for k, v in counts.items() if v - before.get(k, 0)}
-        worker._dsnorm_steps.append({"calls": delta, "seconds": dt})
+        impl_s = sum(seconds.values()) - sum(before_s.values())
+        tokens = getattr(args[0] if args else kwargs.get("scheduler_output"), "total_num_scheduled_tokens", None)
+        worker._dsnorm_steps.append({"calls": delta, "seconds": dt, "impl_seconds": impl_s, "tokens": tokens})
         return out
 
     runner.execute_model = timed
@@ -102,6 +108,16 @@ def _install_counters(worker):
 
 def _read_counters(worker):
     return worker._dsnorm_steps
+
+
+def docs_example(engine: str) -> str:
+    """The first python block of docs/engines.md's section on ``engine``."""
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "engines.md").read_text(encoding="utf-8")
+    section = next(s for s in text.split("\n## ")[1:] if s.startswith(engine))
+    return re.findall(r"```python\n(.*?)```", section, flags=re.S)[0]
 
 
 def run(model: str, out: str, provider: str, compiled: bool) -> None:
@@ -115,7 +131,13 @@ def run(model: str, out: str, provider: str, compiled: bool) -> None:
     if provider == "dsnorm":
         kwargs["kernel_config"] = {"ir_op_priority": {"rms_norm": ["dsnorm"], "fused_add_rms_norm": ["dsnorm"]}}
     t0 = time.perf_counter()
-    llm = LLM(**kwargs)
+    if provider == "dsnorm" and compiled:
+        # The default (compiled) engine with the provider on: docs/engines.md's example, as written.
+        namespace = {"model_dir": model}
+        exec(compile(docs_example("vLLM"), "docs/engines.md", "exec"), namespace)
+        llm = namespace["llm"]
+    else:
+        llm = LLM(**kwargs)
     startup = time.perf_counter() - t0
     llm.collective_rpc(_install_counters)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=0, ignore_eos=True,
@@ -128,6 +150,7 @@ def run(model: str, out: str, provider: str, compiled: bool) -> None:
     with open(out, "w") as f:
         json.dump({"provider": provider, "compiled": compiled, "tokens": list(result.token_ids),
                    "logprobs": logprobs, "steps": steps, "startup_s": startup, "generate_s": generate}, f)
+    llm.llm_engine.engine_core.shutdown()  # the engine core and worker processes end with this run
 
 
 if __name__ == "__main__":
@@ -142,5 +165,3 @@ if __name__ == "__main__":
         make_model(args.model)
     else:
         run(args.model, args.out, args.provider, args.compiled)
-    sys.stdout.flush()
-    os._exit(0)  # vLLM's background threads can outlive the run; the JSON is written
