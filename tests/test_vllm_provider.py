@@ -100,6 +100,7 @@ def test_declines_what_it_does_not_serve():
         (x.double(), w.double(), 1e-6, None),  # dsnorm computes fp64 in fp64
         (x, torch.ones(32), 1e-6, None),  # weight of another width
         (x, w, 0.0, None),  # eps dsnorm refuses
+        (x, w, 1e-46, None),  # rounds to 0 in float32
     ]
     for args in declined:
         assert not ds_plain.supports_args(*args), args

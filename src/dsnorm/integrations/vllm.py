@@ -26,6 +26,8 @@ import logging
 import torch
 from torch import Tensor
 
+from dsnorm.ops import EPS_MAX, EPS_MIN  # dsnorm's op definitions only: no kernel, no numba
+
 PROVIDER = "dsnorm"
 OPS = ("rms_norm", "fused_add_rms_norm")
 _ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -73,7 +75,7 @@ def _serves(x, weight, epsilon, variance_size) -> bool:
         and (weight.dtype == x.dtype or weight.dtype == torch.float32)
         and weight.dim() == 1 and x.dim() >= 1 and x.shape[-1] == weight.shape[0]
         and x.device.type in _served and weight.device == x.device
-        and 0.0 < epsilon < 3.0e38
+        and EPS_MIN <= epsilon <= EPS_MAX
     )
 
 
