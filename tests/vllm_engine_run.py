@@ -106,8 +106,16 @@ def _install_counters(worker):
     return True
 
 
+def _threads() -> dict:
+    import torch
+
+    with open("/proc/self/status") as f:
+        os_threads = next((int(line.split()[1]) for line in f if line.startswith("Threads:")), None)
+    return {"torch_threads": torch.get_num_threads(), "os_threads": os_threads}
+
+
 def _read_counters(worker):
-    return worker._dsnorm_steps
+    return {"steps": worker._dsnorm_steps, "threads": _threads()}
 
 
 def docs_example(engine: str) -> str:
@@ -145,11 +153,13 @@ def run(model: str, out: str, provider: str, compiled: bool) -> None:
     t0 = time.perf_counter()
     result = llm.generate([TokensPrompt(prompt_token_ids=PROMPT)], params, use_tqdm=False)[0].outputs[0]
     generate = time.perf_counter() - t0
-    steps = llm.collective_rpc(_read_counters)[0]
+    worker = llm.collective_rpc(_read_counters)[0]
+    steps = worker["steps"]
     logprobs = [lp[t].logprob for lp, t in zip(result.logprobs, result.token_ids)]
     with open(out, "w") as f:
         json.dump({"provider": provider, "compiled": compiled, "tokens": list(result.token_ids),
-                   "logprobs": logprobs, "steps": steps, "startup_s": startup, "generate_s": generate}, f)
+                   "logprobs": logprobs, "steps": steps, "worker_threads": worker["threads"],
+                   "startup_s": startup, "generate_s": generate}, f)
     llm.llm_engine.engine_core.shutdown()  # the engine core and worker processes end with this run
 
 
