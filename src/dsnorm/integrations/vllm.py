@@ -113,6 +113,12 @@ def register() -> None:
     per process) and changes no priority. Imports neither numba nor dsnorm's kernels."""
     global _served
     try:
+        import vllm  # noqa: F401
+    except ImportError as e:
+        logger.warning("dsnorm: vLLM is not importable (%s); the 'dsnorm' norm provider needs "
+                       "pip install 'dsnorm[vllm]'", e)
+        return
+    try:
         from vllm.ir import ops
     except ImportError as e:
         logger.warning("dsnorm: this vLLM has no vllm.ir (IR ops came with vLLM 0.32); the 'dsnorm' "
