@@ -155,3 +155,16 @@ def pytest_sessionstart(session):
 
 def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_line(_hypothesis_line())
+
+
+# The integration tests need an engine that the core test environment does not install. Where CI
+# installs it (DSNORM_REQUIRE_EXTRAS="vllm", "kernels" or both, comma-separated), a missing engine
+# fails the test instead of skipping it.
+REQUIRED_EXTRAS = {e.strip() for e in __import__("os").environ.get("DSNORM_REQUIRE_EXTRAS", "").split(",") if e.strip()}
+
+
+def require_extra(module: str, extra: str):
+    """``import module``, or skip naming the extra to install (fail where CI requires it)."""
+    if extra in REQUIRED_EXTRAS:
+        return __import__("importlib").import_module(module)
+    return pytest.importorskip(module, reason=f"needs the {extra!r} extra: pip install 'dsnorm[{extra}]'")

@@ -754,12 +754,17 @@ def build_quack(case, inp, ctx) -> Runner:
     return _cuda_plain_peer("quack", case, inp, ctx, make_fn)
 
 
+# vLLM's own norms (native eager and compiled, its C++ build, dsnorm as its provider), each with
+# its fidelity against vLLM's definition, where vLLM is installed (needs the names above).
+from dsnorm.integrations.vllm_bench import peers as _vllm_peers  # noqa: E402
+
 # Timing order within a round rotates, so this order only fixes the table's.
 PROVIDERS = (
     (REFERENCE, build_reference),
     (COMPILED, build_compiled),
     ("F.rms_norm", build_f_rms_norm),
     (VLLM, build_vllm),
+    *_vllm_peers(),
     ("flashinfer", build_flashinfer),
     ("liger", build_liger),
     ("quack", build_quack),
