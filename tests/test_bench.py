@@ -656,7 +656,8 @@ def _ratio_cells(line: str) -> list:
 
 
 def _with_contention(case: dict, contended: bool) -> dict:
-    window = {"seconds": 0.3, "others_share": 0.6 if contended else 0.0, "pressure_share": 1.0 if contended else 0.0,
+    window = {"seconds": 0.3, "others_cpus": 1.2 if contended else 0.0, "others_share": 0.6 if contended else 0.0,
+              "pressure_share": 1.0 if contended else 0.0,
               "contended": contended, "attempts": bench.QUICK.attempts if contended else 1}
     return dict(case, contention=window)
 
@@ -681,7 +682,8 @@ def test_noisy_ratios_are_marked_in_the_summary(quick):
 def test_every_number_of_a_contended_case_carries_its_mark(quick):
     result = json.loads(json.dumps(quick["json"]))
     cases = [_with_contention(c, i % 2 == 0) for i, c in enumerate(result["cases"])]
-    result = dict(result, cases=cases)
+    # The copy bandwidth quiet (this run's may not have been): only the cases' own marks here.
+    result = dict(result, cases=cases, contention=dict(result["contention"], copy_contended=False))
     for full in (False, True):
         text = bench.format_table(result, full=full)
         for case in cases:
@@ -692,7 +694,7 @@ def test_every_number_of_a_contended_case_carries_its_mark(quick):
                 marked = [c.rstrip(bench.NOISY_MARK).endswith(bench.CONTENDED_MARK) for c in _ratio_cells(line)]
                 assert all(marked) if case["contention"]["contended"] else not any(marked), line
         assert f"{bench.CONTENDED_MARK} contended ({(len(cases) + 1) // 2} of {len(cases)} cases" in text
-    # --full: each provider row's median and its speed-up over the reference carry the mark.
+    # --full: each provider row's median, GB/s, %copy and speed-up over the reference carry the mark.
     text = bench.format_table(result, full=True)
     for case in cases:
         block = text.split("\n" + case["name"] + "  ", 1)[1].split("\n\n", 1)[0].splitlines()[2:]
@@ -700,13 +702,21 @@ def test_every_number_of_a_contended_case_carries_its_mark(quick):
             if p["median_ms"] is None:
                 continue
             (line,) = [ln for ln in block if ln.startswith(f"  {p['name']} ")]
-            marks = 1 + (p["speedup_vs_reference"] is not None)
+            marks = 1 + (p["gbps"] is not None) + (p["pct_copy"] is not None) + (p["speedup_vs_reference"] is not None)
             assert line.count(bench.CONTENDED_MARK) == (marks if case["contention"]["contended"] else 0), line
     quiet = dict(result, cases=[_with_contention(c, False) for c in cases],
                  contention=dict(result["contention"], copy_contended=False))
     assert "contended (" not in bench.format_table(quiet)
     copy = dict(quiet, contention=dict(quiet["contention"], copy_contended=True))
     assert "contended (0 of" in bench.format_table(copy) and "GB/s" + bench.CONTENDED_MARK in bench.format_table(copy)
+    # A contended copy bandwidth inflates every %copy: each is marked, in both tables.
+    for full in (False, True):
+        for text, mark in ((bench.format_table(quiet, full=full), False), (bench.format_table(copy, full=full), True)):
+            for case in quiet["cases"]:
+                for p in case["providers"]:
+                    if p["pct_copy"] is not None and (full or p["role"] == "dsnorm"):
+                        cell = f"{p['pct_copy']:.1f}" + bench.CONTENDED_MARK
+                        assert (cell in text) is mark, (case["name"], p["name"], full)
 
 
 def test_the_plot_marks_contended_cases(quick):
@@ -748,12 +758,13 @@ def test_full_table_keeps_every_provider(quick):
 def test_contention_is_recorded_in_the_json(quick):
     d = quick["json"]
     top = d["contention"]
-    assert top["limits"] == {"others_share": contention.OTHERS_LIMIT, "pressure_share": contention.PRESSURE_LIMIT}
+    assert top["limits"] == {"others_share": contention.OTHERS_SHARE, "others_cpus_cap": contention.OTHERS_CPUS_CAP,
+                             "pressure_share": contention.PRESSURE_LIMIT}
     assert top["settle"] is None  # --settle 0
     assert isinstance(top["detectable"], bool) and isinstance(top["cases_contended"], int)
     for case in d["cases"]:
         c = case["contention"]
-        assert set(c) == {"seconds", "others_share", "pressure_share", "contended", "attempts"}
+        assert set(c) == {"seconds", "others_cpus", "others_share", "pressure_share", "contended", "attempts"}
         assert 1 <= c["attempts"] <= bench.QUICK.attempts and c["seconds"] >= contention.MIN_WINDOW_S
         # Timed again only when contended; the last attempt is kept only if still contended.
         assert c["attempts"] == 1 or c["contended"] is False or c["attempts"] == bench.QUICK.attempts
@@ -763,10 +774,12 @@ def test_contention_is_recorded_in_the_json(quick):
 class FakeCpu:
     """A scripted pressure source for contention.Meter: a fake clock advanced by ``step_s`` per
     reading (and by the meter's sleeps); the interval before reading ``k`` (counted from 1) is busy
-    (others hold ``others`` of the CPUs, a task waits ``pressure`` of the time) when ``busy(k)``."""
+    (others hold ``others`` of the CPUs, a task waits ``pressure`` of the time) when ``busy(k)``;
+    ``idle_lines``: the /proc/stat lines summed (default one per CPU, the coarser case)."""
 
-    def __init__(self, busy, others=0.6, pressure=1.0, cpus=2, step_s=0.3, own=0.0):
+    def __init__(self, busy, others=0.6, pressure=1.0, cpus=2, step_s=0.3, own=0.0, idle_lines=None):
         self.busy, self.others, self.pressure, self.cpus, self.step_s, self.own = busy, others, pressure, cpus, step_s, own
+        self.idle_lines = cpus if idle_lines is None else idle_lines
         self.t = self.idle = self.psi = self.own_cpu = 0.0
         self.readings = 0
 
@@ -783,7 +796,7 @@ class FakeCpu:
         self.advance(self.step_s)
         self.readings += 1
         return contention.CpuSample(wall_s=self.t, own_cpu_s=self.own_cpu, cpus=self.cpus, idle_s=self.idle,
-                                    tick_s=0.01, pressure_s=self.psi)
+                                    tick_s=0.01, pressure_s=self.psi, idle_lines=self.idle_lines)
 
     def meter(self):
         return contention.Meter(reader=self.read, sleep=self.advance)
@@ -796,6 +809,20 @@ def test_judge_separates_other_work_from_this_process_and_tick_noise():
 
     busy = window(others=0.6, pressure=1.0)
     assert busy["contended"] is True and busy["others_share"] == pytest.approx(0.6 - 0.02 / 0.3, abs=1e-6)
+    assert busy["others_cpus"] == pytest.approx(2 * busy["others_share"])
+    # 2 cores: the limit is 10% of them, 0.2 CPU.
+    assert window(others=0.2, pressure=1.0)["contended"] is True
+    assert window(others=0.08, pressure=1.0)["contended"] is False
+    # 16 cores: one busy process is 6% of them, yet stalls every full-width parallel region; it
+    # counts in CPUs (the summed cpu line: one tick of resolution, not one per CPU).
+    one_of_16 = window(cpus=16, others=1 / 16, pressure=1.0, idle_lines=1)
+    assert one_of_16["contended"] is True and one_of_16["others_share"] < contention.OTHERS_SHARE
+    assert contention.others_limit(16) == contention.OTHERS_CPUS_CAP == 0.5
+    assert contention.others_limit(2) == pytest.approx(0.2)
+    # ... without pressure it is a core this process left idle; a fifth of a CPU is under the limit.
+    assert window(cpus=16, others=1 / 16, pressure=0.0, idle_lines=1)["contended"] is False
+    assert window(cpus=16, others=0.2 / 16, pressure=1.0, idle_lines=1)["contended"] is False
+    assert window(cpus=16, others=0.0, pressure=1.0, own=1.0, idle_lines=1)["contended"] is False
     # Our own threads busy on every CPU, nobody else: not contended.
     assert window(others=0.0, pressure=0.0, own=1.0)["contended"] is False
     # Someone waits, but no other work ran (our pool's wake-ups): not contended.
@@ -816,7 +843,7 @@ def test_the_real_reader_reads_this_machine():
     s = contention.read_cpu_sample()
     assert s.cpus >= 1 and s.tick_s > 0 and s.own_cpu_s >= 0
     if sys.platform.startswith("linux"):
-        assert s.idle_s is not None and s.idle_s >= 0
+        assert s.idle_s is not None and s.idle_s >= 0 and s.idle_lines in (1, s.cpus)
 
 
 def test_meter_stretches_short_windows():
@@ -845,6 +872,9 @@ def test_a_contended_case_is_timed_again_then_marked(busy_readings, attempts, co
     assert case["contention"]["attempts"] == attempts and case["contention"]["contended"] is contended
     assert result["contention"]["cases_contended"] == int(contended)
     assert result["fidelity_ok"] is True
+    # The first copy-bandwidth window is busy in every run, the last only in the last: the copy
+    # is contended only when both samples were (a quiet one is a fair figure, the kept one no lower).
+    assert result["contention"]["copy_contended"] is contended
 
 
 def test_settle_waits_a_bounded_time_and_says_so():
@@ -901,3 +931,9 @@ def test_contention_check_script(quick, tmp_path):
     unmarked = dict(idle, cases=[slowed(c, 50.0, i != 0) for i, c in enumerate(idle["cases"])])
     rc, out = check(unmarked)
     assert rc == 1 and "1 case(s) misleading" in out and "<-- misleading" in out
+    # A case with no provider timed in both runs cannot be compared: an error, not a pass.
+    untimed = dict(idle, cases=[slowed(c, 1.0, False) for c in idle["cases"]])
+    untimed["cases"][0] = dict(untimed["cases"][0], providers=[dict(p, median_ms=None)
+                                                               for p in untimed["cases"][0]["providers"]])
+    rc, out = check(untimed)
+    assert rc == 1 and "0 case(s) misleading, 1 case(s) with nothing to compare" in out

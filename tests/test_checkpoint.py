@@ -235,6 +235,17 @@ def test_missing_mtp_layer_and_extra_layer(tmp_path):
     assert k == [("extra", "model.layers.0.foo_norm.weight"), ("extra", "model.layers.4.enorm.weight")]
 
 
+def test_report_fits_120_columns_with_long_tensor_names(tmp_path, capsys):
+    # Long names in mismatch lines are wrapped, as the other tools' text is (a name is never broken).
+    long = "model.layers.0." + ".".join(["a_rather_long_submodule_name"] * 2) + ".foo_norm.weight"
+    hf_checkpoint(tmp_path, HF_MAIN + HF_K_NORM + HF_MTP + [long])
+    assert [m["tensor"] for m in count_norms(tmp_path).mismatches] == [long]
+    assert cli.main(["count", str(tmp_path)]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert max(map(len, lines)) <= 120, max(lines, key=len)
+    assert any(long in line for line in lines)
+
+
 def test_wrong_shape(tmp_path, capsys):
     t = hf_checkpoint(tmp_path)
     t["model.layers.2.input_layernorm.weight"] = torch.ones(15, dtype=torch.bfloat16)

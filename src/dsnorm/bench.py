@@ -57,9 +57,10 @@ and more), ``copy_gbps``, ``cases``, plus ``fidelity_ok``, ``elapsed_s``, ``comp
 ``numba_threads`` and ``numba_threading_layer`` on CPU. Each case: ``name``, ``shape``, ``form``
 (plain / fused / in-place), ``providers`` and ``site``, ``direction``, ``layout``, ``bytes``,
 ``fidelity_rule``, ``contention`` (:func:`measure_uncontended`'s judgement of the window kept:
-``contended``, ``attempts``, ``seconds``, ``others_share``, ``pressure_share``; None for a fusion
-that failed before it was timed), ``dsnorm_speedup`` (time of each provider / time of dsnorm;
-``dsnorm_speedup_graph`` the same under CUDA graphs; ``dsnorm_speedup_noisy`` which of the ratios
+``contended``, ``attempts``, ``seconds``, ``others_cpus``, ``others_share``, ``pressure_share``;
+None for a fusion that failed before it was timed; CUDA-graph replays are timed outside it),
+``dsnorm_speedup`` (time of each provider / time of dsnorm; ``dsnorm_speedup_graph`` the same
+under CUDA graphs; ``dsnorm_speedup_noisy`` which of the ratios
 involve a noisy row). Each provider: ``name``, ``bytes`` (its byte model; the floor row's own),
 ``median_ms``, ``gbps``, ``pct_copy``, ``speedup_vs_reference``, ``residual_bitwise`` (None in the
 plain form), ``max_ulp``, ``pct_bitwise``, ``compile_s`` (torch.compile rows), ``graph_us``,
@@ -887,14 +888,14 @@ def measure_uncontended(runners: list, settings: Settings, device: torch.device,
     """:func:`measure`, watched by ``meter``: a window found contended (:func:`dsnorm.contention.judge`)
     is measured again, ``settings.attempts`` times in all at most. Returns ``(medians, contention)``:
     the first uncontended attempt's medians, else the least contended attempt's (lowest
-    ``others_share``), and that window's judgement with ``attempts`` (how many were made) added.
+    ``others_cpus``), and that window's judgement with ``attempts`` (how many were made) added.
     A runner that raises is dropped from later attempts (``failures`` names it)."""
     best = None
     for attempt in range(1, max(1, settings.attempts) + 1):
         token = meter.start()
         medians = measure(runners, settings, device, failures)
         window = meter.stop(token)
-        if best is None or (window["others_share"] or 0.0) < (best[1]["others_share"] or 0.0):
+        if best is None or (window["others_cpus"] or 0.0) < (best[1]["others_cpus"] or 0.0):
             best = (medians, window)
         if window["contended"] is not True:
             best = (medians, window)
@@ -1379,7 +1380,7 @@ def settle(meter: contention.Meter, max_wait_s: float, stream=None) -> dict:
               "last": first}
     if first["contended"] is not True:
         return record
-    print(f"dsnorm bench: other work holds {_share(first['others_share'])} of the CPUs; waiting up to "
+    print(f"dsnorm bench: other work holds {_held(first)}; waiting up to "
           f"{max_wait_s:g}s for it to stop (--settle 0: do not wait)", file=stream, flush=True)
     waited = meter.settle(max(0.0, max_wait_s - first["seconds"]))
     record.update(waited_s=first["seconds"] + waited["waited_s"], settled=waited["settled"], last=waited["last"])
@@ -1387,13 +1388,16 @@ def settle(meter: contention.Meter, max_wait_s: float, stream=None) -> dict:
         print(f"dsnorm bench: the CPUs are quiet after {record['waited_s']:.0f}s; timing", file=stream, flush=True)
     else:
         print(f"dsnorm bench: still busy after {record['waited_s']:.0f}s (other work holds "
-              f"{_share(waited['last']['others_share'])} of the CPUs); timing anyway: a case timed under "
+              f"{_held(waited['last'])}); timing anyway: a case timed under "
               "contention is timed again, then marked", file=stream, flush=True)
     return record
 
 
-def _share(x: Optional[float]) -> str:
-    return "?" if x is None else f"{100 * x:.0f}%"
+def _held(window: dict) -> str:
+    """How much of the CPUs other work held in a :func:`dsnorm.contention.judge` window, in words."""
+    if window.get("others_cpus") is None:
+        return "? CPUs"
+    return f"{window['others_cpus']:.1f} CPUs ({100 * window['others_share']:.0f}% of them)"
 
 
 def bench(device: str = "cpu", quick: bool = False, backward: bool = False, cases: Optional[list] = None,
@@ -1413,7 +1417,8 @@ def bench(device: str = "cpu", quick: bool = False, backward: bool = False, case
     settled = settle(ctx.meter, settle_s) if settle_s > 0 else None
     bar = Progress(2 * len(all_cases) + 2 * len(fusion_list) + 1, enabled=progress)
     # Copy bandwidth before and after the cases; the higher counts (a sample taken while another
-    # process ran is low, never high), and is contended only if both samples were.
+    # process ran is low, never high), so it is contended only if both samples were: an
+    # uncontended sample is a fair figure and the one kept is no lower.
     def timed_copy() -> tuple:
         token = ctx.meter.start()
         gbps = copy_bandwidth(dev, settings.copy_mb, settings.copy_reps)
@@ -1425,7 +1430,9 @@ def bench(device: str = "cpu", quick: bool = False, backward: bool = False, case
     results += [run_fusion_case(fc, ctx, settings, bar) for fc in fusion_list]
     copies.append(timed_copy())
     copy_samples = [gbps for gbps, _ in copies]
-    copy_gbps, copy_contended = max(copies, key=lambda c: c[0])
+    copy_gbps = max(copy_samples)
+    flags = [flag for _, flag in copies]
+    copy_contended = False if False in flags else (True if all(flags) else None)
     for case in results:
         for row in case["providers"]:
             if row["gbps"] is not None:
@@ -1463,10 +1470,12 @@ def bench(device: str = "cpu", quick: bool = False, backward: bool = False, case
                    f"a case timed while other work shared the CPUs is timed again, {settings.attempts} "
                    "times in all at most, and marked contended if it still was"),
         "contention": {
-            "rule": (f"contended: other work held >= {contention.OTHERS_LIMIT:.0%} of the CPUs (/proc/stat, "
-                     f"less this process's CPU time) and a task waited for a CPU >= {contention.PRESSURE_LIMIT:.0%} "
-                     "of the time (/proc/pressure/cpu, where present)"),
-            "limits": {"others_share": contention.OTHERS_LIMIT, "pressure_share": contention.PRESSURE_LIMIT},
+            "rule": (f"contended: other work held >= min({contention.OTHERS_SHARE:.0%} of the CPUs, "
+                     f"{contention.OTHERS_CPUS_CAP:g} CPU) on average (/proc/stat, less this process's CPU time) "
+                     f"and a task waited for a CPU >= {contention.PRESSURE_LIMIT:.0%} of the time "
+                     "(/proc/pressure/cpu, where present); CUDA-graph replays are not watched"),
+            "limits": {"others_share": contention.OTHERS_SHARE, "others_cpus_cap": contention.OTHERS_CPUS_CAP,
+                       "pressure_share": contention.PRESSURE_LIMIT},
             "detectable": any(c["contention"] is not None and c["contention"]["contended"] is not None
                               for c in results) or copy_contended is not None,
             "settle": settled,
@@ -1513,6 +1522,16 @@ NOISY_MARK = "~"
 _SHORT = {REFERENCE: "ref", COMPILED: "compile", "F.rms_norm": "F.rms", FLOOR: "add", COMPOSITION: "comp."}
 
 
+def _copy_mark(result: dict) -> str:
+    """The mark of every %copy when the copy bandwidth it divides by was measured under contention."""
+    return CONTENDED_MARK if (result.get("contention") or {}).get("copy_contended") else ""
+
+
+def _pct_mark(result: dict, case: dict) -> str:
+    """A %copy is marked when its case's time or the copy bandwidth was contended."""
+    return CONTENDED_MARK if _contended(case) else _copy_mark(result)
+
+
 def _marked_ratio(case: dict, name: str, value: float) -> str:
     return (_fmt_ratio(value) + (CONTENDED_MARK if _contended(case) else "")
             + (NOISY_MARK if case.get("dsnorm_speedup_noisy", {}).get(name) else ""))
@@ -1525,7 +1544,7 @@ def _header(result: dict) -> list:
                  f"{m['cpu_capability']}); torch {m['torch']}, numba {m['numba']}", "  ")
     samples = ", ".join(f"{g:.1f}" for g in result.get("copy_gbps_samples", ()))
     c = result.get("contention") or {}
-    copy_mark = CONTENDED_MARK if c.get("copy_contended") else ""
+    copy_mark = _copy_mark(result)
     lines += wrap(f"copy bandwidth: {result['copy_gbps']:.1f} GB/s{copy_mark} (read + write; best of {samples} "
                   "before/after)", "  ")
     if result.get("compile_startup_s") is not None:
@@ -1586,7 +1605,7 @@ def _compact_body(result: dict) -> list:
         ds = next((p for p in case["providers"] if p["role"] == "dsnorm"), None)
         mark = CONTENDED_MARK if _contended(case) else ""
         median = _fmt_time(ds["median_ms"]) + mark if ds and ds["median_ms"] is not None else "-"
-        pct = _fmt(ds["pct_copy"], ".1f") if ds else "-"
+        pct = _fmt(ds["pct_copy"], ".1f") + _pct_mark(result, case) if ds and ds["pct_copy"] is not None else "-"
         check = "-" if ds is None else {True: "PASS", False: "FAIL", None: "-"}[ds["fidelity_ok"]]
         ratios = case["dsnorm_speedup"]
         rows.append([case["name"], median, pct, check]
@@ -1626,8 +1645,7 @@ def _full_body(result: dict, red: str, reset: str) -> list:
         mark = ""
         if _contended(case):
             c = case["contention"]
-            mark = (f"  {CONTENDED_MARK} contended: timed {c['attempts']} times, other work held "
-                    f"{_share(c['others_share'])} of the CPUs")
+            mark = f"  {CONTENDED_MARK} contended: timed {c['attempts']} times, other work held {_held(c)}"
         lines.append(f"{case['name']}  {case['shape']} {case['form']} {case['dtype']}"
                      + (f", {case['layout']}" if case["layout"] != "contiguous" else "")
                      + f"  (dsnorm must be {case['fidelity_rule']})" + mark)
@@ -1651,7 +1669,9 @@ def _full_body(result: dict, red: str, reset: str) -> list:
             resid = {None: "-", True: "yes", False: "no"}[p["residual_bitwise"]]
             mark = CONTENDED_MARK if _contended(case) else ""
             x_ref = p["speedup_vs_reference"]
-            cells = (p["name"], _fmt_time(p["median_ms"]) + mark, _fmt(p["gbps"], ".2f"), _fmt(p["pct_copy"], ".1f"),
+            gbps = "-" if p["gbps"] is None else f"{p['gbps']:.2f}{mark}"
+            pct = "-" if p["pct_copy"] is None else f"{p['pct_copy']:.1f}{_pct_mark(result, case)}"
+            cells = (p["name"], _fmt_time(p["median_ms"]) + mark, gbps, pct,
                      "-" if x_ref is None else f"{x_ref:.2f}{mark}", resid, _fmt(p["max_ulp"], "d"),
                      _fmt_pct(p["pct_bitwise"]), fid)
             text = row_text(cells)
@@ -1660,7 +1680,7 @@ def _full_body(result: dict, red: str, reset: str) -> list:
                 extra.append(f"compile {p['compile_s']:.1f}s")
             if p.get("graph_us") is not None:
                 extra.append(f"CUDA graph {p['graph_us']:.2f} us/call, {p['graph_gbps']:.0f} GB/s "
-                             f"({_fmt(p.get('graph_pct_copy'), '.1f')}% copy)")
+                             f"({_fmt(p.get('graph_pct_copy'), '.1f')}{_copy_mark(result)}% copy)")
             if p.get("graph_note"):
                 extra.append(p["graph_note"])
             if p.get("grad_max_rel_err"):
@@ -1712,9 +1732,10 @@ def format_table(result: dict, color: bool = False, full: bool = False) -> str:
     if contended or copy:
         most = max((c["contention"]["attempts"] for c in contended), default=1)
         lines += wrap(f"{CONTENDED_MARK} contended ({len(contended)} of {len(result['cases'])} cases"
-                      + (", and the copy bandwidth" if copy else "") + "): other work held the CPUs while it was "
-                      f"timed, still after {most} attempt(s) (dsnorm.contention): its numbers, and every ratio from "
-                      "them, may measure the scheduler, not the kernels; rerun on a quiet machine", "  ")
+                      + (", and the copy bandwidth, so every %copy" if copy else "")
+                      + f"): other work held the CPUs while it was timed, still after {most} attempt(s) "
+                      "(dsnorm.contention): its numbers, and every ratio from them, may measure the scheduler, "
+                      "not the kernels; rerun on a quiet machine", "  ")
     if any(any(case.get("dsnorm_speedup_noisy", {}).values()) for case in result["cases"]):
         lines += wrap(f"{NOISY_MARK} noisy: one of the two medians is over {NOISY_RATIO:g}x its fastest call; the "
                       "ratio is not a measurement of the kernels", "  ")

@@ -43,7 +43,7 @@ from dsnorm.sites import (
     read_json_file,
     write_output,
 )
-from dsnorm.terminal import wrap
+from dsnorm.terminal import table, wrap
 
 # Real shards of the 671B checkpoint have headers well under 1 MB; this cap (as in the safetensors
 # library) bounds the memory a hostile length can claim.
@@ -657,15 +657,15 @@ def render_report(rep: CountReport, max_lines: int = 60) -> str:
     ]
     out += wrap(f"compared with: the norm sites of {rep.config_source} (a config with {rep.config.format} field "
                 f"names), as {rep.naming} tensor names", "  ")
-    out += [f"note: {n}" for n in rep.notes]
+    # Names are escaped before wrapping (wrapping would turn a newline in a name into a space).
+    for n in rep.notes:
+        out += wrap(printable(f"note: {n}"), "      ")
     out.append("")
     headers = ["site", "found/expected", "shape", "dtype", "params", "mismatches"]
     rows = [[r["site"] + (" (LayerNorm)" if r["norm_type"] == "layernorm" else ""),
              f"{r['found_instances']}/{r['expected_instances']}", ", ".join(r["shapes"]) or "-",
              ", ".join(r["dtypes"]) or "-", f"{r['params']:,}", r["mismatches"] or ""] for r in rep.sites]
-    widths = [max(len(str(h)), *(len(str(x[i])) for x in rows)) if rows else len(h) for i, h in enumerate(headers)]
-    line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
-    out += [line(headers), line("-" * w for w in widths)] + [line(r) for r in rows]
+    out += table(headers, rows)
     t = rep.totals
     out += ["", f"main-model RMSNorm: {t['rmsnorm_instances_found']}/{t['rmsnorm_instances_expected']} instances, "
                 f"{t['rmsnorm_params_found']:,} parameters found (expected {t['rmsnorm_params_expected']:,})"]
@@ -677,7 +677,8 @@ def render_report(rep: CountReport, max_lines: int = 60) -> str:
             by_kind[m["kind"]] = by_kind.get(m["kind"], 0) + 1
         out += ["", f"{len(rep.mismatches)} mismatch(es) (" + ", ".join(f"{n} {k}" for k, n in by_kind.items()) + "):"]
         for m in rep.mismatches[:max_lines]:
-            out.append(f"  {m['kind']}: {m['tensor'] or ''}{' - ' if m['tensor'] else ''}{m['detail']}")
+            out += wrap(printable(f"{m['kind']}: {m['tensor'] or ''}{' - ' if m['tensor'] else ''}{m['detail']}"),
+                        "      ", indent="  ")
         if len(rep.mismatches) > max_lines:
             out.append(f"  ... and {len(rep.mismatches) - max_lines} more (all of them with --json)")
         out.append("")

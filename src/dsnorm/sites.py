@@ -754,9 +754,10 @@ def _table(headers: list, rows: list, markdown: bool) -> list:
     return text_table(headers, rows)
 
 
-def _prose(text: str, markdown: bool, indent: str = "") -> list:
-    """A paragraph: one line in Markdown (a renderer wraps it), wrapped to ``COLUMNS`` in text."""
-    return [text] if markdown else wrap(text, indent)
+def _prose(text: str, markdown: bool, hanging: str = "") -> list:
+    """A paragraph: one line in Markdown (a renderer wraps it), wrapped to ``COLUMNS`` in text, its
+    lines after the first indented by ``hanging``."""
+    return [text] if markdown else wrap(text, subsequent=hanging)
 
 
 def render_table(cfg: ModelConfig, markdown: bool = False, wide: bool = False) -> str:
