@@ -388,6 +388,7 @@ def test_bad_input_names_the_argument(call, exc, match):
         (lambda x, r: (x, x, torch.ones(8)), ValueError, "must not share memory"),
         (lambda x, r: (x[:, ::2], r[:, ::2], torch.ones(4)), ValueError, "unit-stride rows"),
         (lambda x, r: (x, r, torch.ones(8)), ValueError, "eps must be"),
+        (lambda x, r: (x, r, torch.ones(8)), ValueError, "cast must be one of"),
         (lambda x, r: (_inference(x), r, torch.ones(8)), RuntimeError, "x is an inference tensor"),
         (lambda x, r: (x, _inference(r), torch.ones(8)), RuntimeError, "residual is an inference tensor"),
     ],
@@ -398,10 +399,13 @@ def test_inplace_errors_leave_inputs_untouched(make, exc, match):
         args = make(x, r)
         before = [t.clone() for t in args[:2]]
         eps = 0.0 if match == "eps must be" else 1e-6
+        # An eps of 0 would stop the kernel itself (division by zero); an unknown cast it would run
+        # through as "deepseek", so only the cast case shows a check made after the write.
+        cast = "vllm" if match.startswith("cast must be") else "deepseek"
         with pytest.raises(exc, match=match):
-            dsnorm.fused_add_rms_norm_(*args, eps=eps)
+            dsnorm.fused_add_rms_norm_(*args, eps=eps, cast=cast)
         with pytest.raises(exc, match=match):
-            torch.ops.dsnorm.fused_add_rms_norm_(*args, eps, "deepseek", "fp32_sum")
+            torch.ops.dsnorm.fused_add_rms_norm_(*args, eps, cast, "fp32_sum")
         assert all(torch.equal(t, t0) for t, t0 in zip(args[:2], before))
 
 
