@@ -816,7 +816,7 @@ def _tied_conflicts(plan: list, values: list) -> list:
 
 def _local_tensor(w):
     """``w``'s own memory: the local shard of a DTensor, else ``w``."""
-    from dsnorm.ops import is_dtensor
+    from dsnorm.dispatch import is_dtensor
 
     return w.to_local() if is_dtensor(w) else w
 
@@ -837,7 +837,7 @@ def _reshard_fsdp(targets: list) -> None:
 
 def _unwritable_placements(w):
     """``w``'s placements if it is a DTensor with a ``Partial`` among them, else None."""
-    from dsnorm.ops import is_dtensor
+    from dsnorm.dispatch import is_dtensor
 
     if not is_dtensor(w):
         return None
@@ -850,7 +850,7 @@ def _unwritable_placements(w):
 def _placed_like(v, w):
     """The full value ``v`` placed as the parameter ``w`` is: ``w``'s share of it on each rank when
     ``w`` is a DTensor (every rank read the whole gain; nothing is sent), else ``v``."""
-    from dsnorm.ops import is_dtensor
+    from dsnorm.dispatch import is_dtensor
 
     if not is_dtensor(w):
         return v

@@ -36,6 +36,7 @@ import torch
 
 from dsnorm import ops
 from dsnorm.autograd import _compute_weight, _direct, _needs_grad
+from dsnorm.dispatch import _is_compiling
 from dsnorm.ref import (  # noqa: F401 (re-exported: the fusions' reference lives in ref.py)
     AMAX_FLOOR,
     EPS,
@@ -542,7 +543,7 @@ def mla_latent_norms(
         ``(q_normed, kv_normed)``: new contiguous tensors ``[..., q_lora_rank]`` and
         ``[..., kv_lora_rank]`` in the inputs' dtype.
     """
-    if not ops._is_compiling():  # not under dynamo: see autograd._is_compiling
+    if not _is_compiling():  # not under dynamo: see autograd._is_compiling
         out = (_mla_lane or _load_mla_lane())(q_latent, kv_a, q_weight, kv_weight, eps, cast)
         if out is not None:  # a decode call on the CPU that needs only the kernel
             return out

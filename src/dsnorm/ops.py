@@ -54,15 +54,6 @@ from dsnorm.spec import (
 
 # Names the functional API, the fusions and the tools reach through ``ops``, re-exported from the
 # modules that define them (the autograd layer calls the train lanes here, where tests replace them).
-from dsnorm.dispatch import (  # noqa: F401
-    PLAIN_TYPES,
-    _is_compiling,
-    _is_wrapped,
-    _transforms_active,
-    dispatch_free,
-    is_dtensor,
-    plain_memory,
-)
 from dsnorm.rows import address_range, row_stride, rows_viewable  # noqa: F401
 from dsnorm.spec import (  # noqa: F401
     _OPTIONS_OK,
