@@ -15,8 +15,9 @@ its mutant by an assertion.
 Not part of CI: every mutant of a numba file recompiles the kernels it touches (minutes on two
 cores). Run it before resolving an issue that touches kernels or checks. numba's cache lives in a
 directory of this run: the baseline fills it, a mutant of another file reuses it, and a mutant of a
-kernel file drops that file's cache and its dependents' (``cpu_fusions``' kernels inline
-``cpu._forward_rows`` but are stamped with their own file only).
+file whose code kernels compile in drops those kernels' caches (the kernels of ``dsnorm.cpu.kernels``
+and ``dsnorm.cpu.fusion_kernels`` compile in the functions of the modules they import but are stamped
+with their own file only).
 """
 
 from __future__ import annotations
@@ -46,22 +47,24 @@ class Mutant:
     what: str
 
 
-# The tests that fail on any change to cpu.py (a digest, not semantics): never counted as a kill.
-_DESELECT = ("--deselect", "tests/test_fusions.py::test_fusion_kernels_cache_is_invalidated_with_cpu_py")
+# The tests that fail on any change to a module that kernels compile in (a digest, not semantics):
+# never counted as a kill.
+_DESELECT = ("--deselect",
+             "tests/test_fusions.py::test_kernel_caches_are_invalidated_with_the_modules_they_compile_in")
 
 _LANE = ("tests/test_lane.py", "-k", "test_lane_matches_reference")
 
 MUTANTS = (
     Mutant(
-        "cpu_fused_sum_rounded", "cpu.py",
-        "po[o_off + j] = bits\n            buf[j] = _bf16_to_f32(bits) if round_first else v",
-        "po[o_off + j] = bits\n            buf[j] = _bf16_to_f32(bits)",
+        "cpu_fused_sum_rounded", "cpu/stages.py",
+        "po[o_off + j] = bits\n            buf[j] = bf16_to_f32(bits) if round_first else v",
+        "po[o_off + j] = bits\n            buf[j] = bf16_to_f32(bits)",
         (_LANE,), "CPU fused kernel normalises the rounded sum under fp32_sum (bf16, out of place)",
     ),
     Mutant(
-        "cpu_fp8_sum_rounded", "cpu_fusions.py",
-        "rout_addr, rout_stride, x_code, _I0, eps, _NO, _NO,",
-        "rout_addr, rout_stride, x_code, _I0, eps, _NO, np.bool_(True),",
+        "cpu_fp8_sum_rounded", "cpu/fusion_kernels.py",
+        "rout_addr, rout_stride, x_code, I0, eps, NO, NO,",
+        "rout_addr, rout_stride, x_code, I0, eps, NO, np.bool_(True),",
         (("tests/test_fusions.py", "-k", "test_fp8_bitwise"),),
         "CPU fp8 fusion normalises the rounded sum",
     ),
@@ -83,25 +86,25 @@ MUTANTS = (
         "Triton fp8 fusion (one-block rows) normalises the rounded sum",
     ),
     Mutant(
-        "cast_deepseek_rounds_xhat", "cpu.py",
-        "pb[offset + j] = _f32_to_bf16(wb[j] * (buf[j] * rstd))",
-        "pb[offset + j] = _f32_to_bf16(wb[j] * _round_to(buf[j] * rstd, BF16))",
+        "cast_deepseek_rounds_xhat", "cpu/stages.py",
+        "pb[offset + j] = f32_to_bf16(wb[j] * (buf[j] * rstd))",
+        "pb[offset + j] = f32_to_bf16(wb[j] * round_to(buf[j] * rstd, BF16))",
         (_LANE,), "cast='deepseek' rounds x-hat to bf16 before the weight multiply",
     ),
     Mutant(
-        "cast_hf_keeps_fp32", "cpu.py",
-        "pb[offset + j] = _f32_to_bf16(_round_to(wb[j], BF16) * _round_to(buf[j] * rstd, BF16))",
-        "pb[offset + j] = _f32_to_bf16(wb[j] * (buf[j] * rstd))",
+        "cast_hf_keeps_fp32", "cpu/stages.py",
+        "pb[offset + j] = f32_to_bf16(round_to(wb[j], BF16) * round_to(buf[j] * rstd, BF16))",
+        "pb[offset + j] = f32_to_bf16(wb[j] * (buf[j] * rstd))",
         (_LANE,), "cast='hf' multiplies in fp32 (DeepSeek's order) instead of rounding weight and x-hat",
     ),
     Mutant(
-        "eps_inside_the_mean", "cpu.py",
+        "eps_inside_the_mean", "cpu/kernels.py",
         "rstd = one / np.sqrt(total / width + eps)",
         "rstd = one / np.sqrt((total + eps) / width)",
         (_LANE,), "eps added to the sum of squares before the division",
     ),
     Mutant(
-        "cpu_rsqrt_by_pow", "cpu.py",
+        "cpu_rsqrt_by_pow", "cpu/kernels.py",
         "rstd = one / np.sqrt(total / width + eps)",
         "rstd = (total / width + eps) ** (-one / (one + one))",
         (("tests/test_fidelity.py", "-k", "test_plain_and_fused_match_reference"),),
@@ -115,7 +118,7 @@ MUTANTS = (
         "Triton rstd by the approximate rsqrt instruction (PTX compiled for sm_90)",
     ),
     Mutant(
-        "mean_divisor", "cpu.py",
+        "mean_divisor", "cpu/kernels.py",
         "    acc[0] = n\n    width = acc[0]",
         "    acc[0] = max(n - 1, 1)\n    width = acc[0]",
         (_LANE,), "the mean divides by n - 1",
@@ -128,15 +131,15 @@ MUTANTS = (
         "the general path returns residual_out in the residual's dtype instead of x's",
     ),
     Mutant(
-        "lane_residual_returned_in_its_own_dtype", "cpu.py",
+        "lane_residual_returned_in_its_own_dtype", "cpu/lane.py",
         "out_dtype = dtype if residual_dtype is None else residual_dtype",
         "out_dtype = r_dtype if residual_dtype is None else residual_dtype",
         (("tests/test_fidelity.py", "-k", "test_residual_of_another_dtype_is_added_widened"),),
         "the CPU lane returns residual_out in the residual's dtype instead of x's",
     ),
     Mutant(
-        "round_first_ignored", "cpu.py",
-        "po[o_off + j] = bits\n            buf[j] = _bf16_to_f32(bits) if round_first else v",
+        "round_first_ignored", "cpu/stages.py",
+        "po[o_off + j] = bits\n            buf[j] = bf16_to_f32(bits) if round_first else v",
         "po[o_off + j] = bits\n            buf[j] = v",
         (_LANE,), "residual_rounding='round_first' normalises the unrounded sum (bf16, out of place)",
     ),
@@ -161,14 +164,14 @@ MUTANTS = (
         "row_stride ignores the rows' stride (kv_norm's 512-of-576 slice read as contiguous)",
     ),
     Mutant(
-        "row_depends_on_batch", "cpu.py",
+        "row_depends_on_batch", "cpu/kernels.py",
         "        if not narrow:\n            for t in range(group_len, 4 * group_len):",
         "        if not narrow and row == r0:\n            for t in range(group_len, 4 * group_len):",
         (("tests/test_fidelity.py", "-k", "test_batch_invariance"),),
         "a wide row's partial sums are cleared only for a thread's first row",
     ),
     Mutant(
-        "cpu_ue8m0_rounds_down", "cpu_fusions.py",
+        "cpu_ue8m0_rounds_down", "cpu/fusion_kernels.py",
         "bits = (bits & _U(0x7F800000)) + _U(0x800000)",
         "bits = bits & _U(0x7F800000)",
         (("tests/test_fusions.py", "-k", "test_ue8m0_rounding"),),
@@ -182,28 +185,28 @@ MUTANTS = (
         "Triton ue8m0 scale rounded down to a power of two instead of up",
     ),
     Mutant(
-        "fp32_multiply_order", "cpu.py",
+        "fp32_multiply_order", "cpu/stages.py",
         "pf[offset + j] = wf[j] * (buf[j] * rstd)",
         "pf[offset + j] = (wf[j] * buf[j]) * rstd",
         (("tests/test_autograd.py", "-k", "test_training_lane_leaves_other_tensors_to_the_general_path"),),
         "fp32 y as (w * s) * rstd: at most an ulp off, only a bitwise check sees it",
     ),
     Mutant(
-        "fp64_multiply_order", "cpu.py",
+        "fp64_multiply_order", "cpu/stages.py",
         "pd[offset + j] = wd[j] * (buf[j] * rstd)",
         "pd[offset + j] = (wd[j] * buf[j]) * rstd",
         (("tests/test_fidelity.py", "-k", "test_fp64_computed_in_fp64"),),
         "fp64 y as (w * s) * rstd: an ulp off, inside the rtol of 1e-14 that test had",
     ),
     Mutant(
-        "dx_scaled", "cpu.py",
+        "dx_scaled", "cpu/kernels.py",
         "g[j] = rstd * (g[j] - buf[j] * mean_dot)",
         "g[j] = rstd * (g[j] - buf[j] * mean_dot) * 1.008",
         (("tests/test_autograd.py", "-k", "test_bf16_gradients_dtypes_and_values"),),
         "the input gradient 0.8% too large (inside the 1e-2 tolerance that test had)",
     ),
     Mutant(
-        "dweight_times_weight", "cpu.py",
+        "dweight_times_weight", "cpu/kernels.py",
         "dw[j] += g[j] * buf[j]\n                g[j] = g[j] * w32[j]",
         "dw[j] += g[j] * buf[j] * w32[j]\n                g[j] = g[j] * w32[j]",
         (("tests/test_autograd.py", "-k", "test_module_training_step"),),
@@ -217,7 +220,7 @@ MUTANTS = (
         "Triton backward without the projection term (one-block rows), through the op stack",
     ),
     Mutant(
-        "dweight_order_by_threads", "cpu.py",
+        "dweight_order_by_threads", "cpu/launch.py",
         "return max(16, -(-rows // 256))",
         "return max(16, -(-rows // (8 * torch.get_num_threads())))",
         (("tests/test_autograd.py", "-k", "test_dweight_deterministic_across_runs_and_threads"),),
@@ -225,8 +228,13 @@ MUTANTS = (
     ),
 )
 
-# Which numba caches a change to a file invalidates (cache files are named after their module).
-_NUMBA_DEPENDENTS = {"cpu.py": ("cpu.", "cpu_fusions."), "cpu_fusions.py": ("cpu_fusions.",)}
+# Which numba caches a change to a file invalidates (cache files are named after their module): those
+# of the kernel modules that import it, directly or not (their DEPENDENCIES_SHA256), and its own.
+_CORE_KERNELS = ("kernels.", "fusion_kernels.")
+_NUMBA_DEPENDENTS = {
+    **{f"cpu/{name}.py": _CORE_KERNELS for name in ("runtime", "intrinsics", "cascade", "stages", "kernels")},
+    "cpu/fusion_kernels.py": ("fusion_kernels.",),
+}
 
 
 def check(mutant: Mutant, src_root: Path) -> str:
@@ -314,7 +322,7 @@ def main(argv=None) -> int:
     if args.list:
         for m in MUTANTS:
             tests = " | ".join(" ".join(s) for s in m.selections)
-            print(f"{m.name:36} {m.file:20} {tests}\n{'':36} {m.what}")
+            print(f"{m.name:36} {m.file:22} {tests}\n{'':36} {m.what}")
         return 0
     unknown = set(args.only or ()) - names
     if unknown:

@@ -792,7 +792,7 @@ def _rand_scaled(shape, dtype, seed, scale=1.0):
     return (torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype)
 
 
-# Kills: cpu.py _backward_block without `if round_first: _round_row(buf, n, x_code)` (the CPU
+# Kills: cpu/kernels.py _backward_block without `if round_first: round_row(buf, n, x_code)` (the CPU
 # backward of residual_rounding="round_first" is only ever gradchecked in fp64, where rounding to
 # x.dtype is the identity, and compared with itself in the DTensor test).
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

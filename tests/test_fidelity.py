@@ -266,7 +266,7 @@ def test_nan_inf_propagate_and_zero_rows():
 @pytest.mark.parametrize("dtype", DTYPES + [torch.float64])
 def test_every_width_below_and_across_the_narrow_sum_bitwise(dtype):
     # Rows of 8 to 543 elements (fp64: 4 to 271; at most 16 groups of 4 vectors) take the register
-    # form of the cascade (cpu._sumsq_narrow); every remainder of vectors and elements, the edge
+    # form of the cascade (cascade.sumsq_narrow); every remainder of vectors and elements, the edge
     # past 16 groups (to 20: at 17 both orders happen to agree) and the scalar rows below one
     # vector, plain and fused, with non-finite values in a row of each width (bits_equal holds a
     # NaN to being a NaN, not to its payload). fp64 is held to the reference computed in fp64.
@@ -362,13 +362,13 @@ def test_hf_decoder_residual_add_is_hf_cast_with_round_first(dtype):
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rows_from_dram_prefetching_path(dtype, threads):
-    # Large enough that each thread's share of x passes cpu._PREFETCH_MIN_BYTES: the store pass
+    # Large enough that each thread's share of x passes kernels._PREFETCH_MIN_BYTES: the store pass
     # then prefetches the next row. Every form, a strided x and the fp32 residual stream.
-    from dsnorm import cpu
+    from dsnorm.cpu import kernels
 
     n = 7168
-    rows = -(-cpu._PREFETCH_MIN_BYTES * threads // (n * dtype.itemsize)) + 8
-    assert n >= cpu._PREFETCH_MIN_WIDTH
+    rows = -(-kernels._PREFETCH_MIN_BYTES * threads // (n * dtype.itemsize)) + 8
+    assert n >= kernels._PREFETCH_MIN_WIDTH
     x, r, w = _data((rows, n), dtype, 5), _data((rows, n), dtype, 6), _weight(n)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -395,33 +395,33 @@ def test_rows_from_dram_prefetching_path(dtype, threads):
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_in_place_rows_from_l3_prefetching_path(dtype, threads):
-    # In place, rows of at least cpu._PREFETCH_IN_PLACE_MIN_WIDTH elements prefetch from a thread's
+    # In place, rows of at least kernels._PREFETCH_IN_PLACE_MIN_WIDTH elements prefetch from a thread's
     # share of x of _PREFETCH_IN_PLACE_MIN_BYTES on, below _PREFETCH_MIN_BYTES: the chunked store
     # pass at a width that is a whole number of chunks and at one that ends in a partial chunk, the
     # fp32 residual stream too. Through the launcher, as the public in-place function's general path
     # calls it.
-    from dsnorm import cpu
+    from dsnorm.cpu import kernels, launch
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for n in (cpu._PREFETCH_IN_PLACE_MIN_WIDTH, 5125, 7168):
-            rows = -(-cpu._PREFETCH_IN_PLACE_MIN_BYTES * threads // (n * dtype.itemsize)) + 2
+        for n in (kernels._PREFETCH_IN_PLACE_MIN_WIDTH, 5125, 7168):
+            rows = -(-kernels._PREFETCH_IN_PLACE_MIN_BYTES * threads // (n * dtype.itemsize)) + 2
             # Every thread's share (rows * t // threads onward) is in the new range: the smallest
             # reaches the in-place threshold, the largest stays below the general one.
             row_bytes = n * dtype.itemsize
-            assert (rows // threads) * row_bytes >= cpu._PREFETCH_IN_PLACE_MIN_BYTES
-            assert -(-rows // threads) * row_bytes < cpu._PREFETCH_MIN_BYTES
+            assert (rows // threads) * row_bytes >= kernels._PREFETCH_IN_PLACE_MIN_BYTES
+            assert -(-rows // threads) * row_bytes < kernels._PREFETCH_MIN_BYTES
             x, r, w = _data((rows, n), dtype, 40), _data((rows, n), dtype, 41), _weight(n)
             for cast, rounding in (("deepseek", "fp32_sum"), ("hf", "round_first")):
                 y_ref, res_ref = fused_add_rms_norm_ref(x, r, w, cast=cast, residual_rounding=rounding)
                 xi, ri = x.clone(), r.clone()
-                cpu.forward(xi, ri, w, 1e-6, cast == "hf", rounding == "round_first", xi, ri, None)
+                launch.forward(xi, ri, w, 1e-6, cast == "hf", rounding == "round_first", xi, ri, None)
                 assert bits_equal(xi, y_ref) and bits_equal(ri, res_ref)
             r32 = r.float()
             y_ref, res_ref = fused_add_rms_norm_ref(x, r32, w, residual_dtype=torch.float32)
             xi = x.clone()
-            cpu.forward(xi, r32, w, 1e-6, False, False, xi, r32, None)
+            launch.forward(xi, r32, w, 1e-6, False, False, xi, r32, None)
             assert bits_equal(xi, y_ref) and bits_equal(r32, res_ref)
     finally:
         torch.set_num_threads(before)
@@ -430,16 +430,16 @@ def test_in_place_rows_from_l3_prefetching_path(dtype, threads):
 def test_large_outputs_start_on_a_huge_page():
     # Outputs of 4 MiB or more begin on a 2 MiB boundary (so every page of them can be a huge
     # page) and are otherwise ordinary fresh tensors: not views, contiguous, their own storage.
-    from dsnorm import cpu
+    from dsnorm.cpu import alloc
 
-    if cpu._madvise is None:
+    if alloc._madvise is None:
         pytest.skip("no madvise (not Linux/glibc): outputs are plain allocations")
     shape = (2, 1100, 1024)  # 4.3 MiB in bf16, not a whole number of huge pages
     x, r, w = _data(shape, torch.bfloat16, 26), _data(shape, torch.bfloat16, 27), _weight(1024)
     y_ref, res_ref = fused_add_rms_norm_ref(x, r, w)
     outs = (*dsnorm.fused_add_rms_norm(x, r, w), dsnorm.rms_norm(x, w))
     for out, ref in zip(outs, (y_ref, res_ref, rms_norm_ref(x, w))):
-        assert out.data_ptr() % cpu._HUGE_PAGE == 0
+        assert out.data_ptr() % alloc._HUGE_PAGE == 0
         assert out.shape == shape and out.is_contiguous() and out._base is None and not out._is_view()
         assert bits_equal(out, ref)
     assert len({o.untyped_storage().data_ptr() for o in outs}) == 3
@@ -493,10 +493,10 @@ def test_deterministic_fill_mode_gets_plain_outputs():
 @pytest.mark.parametrize("width", [2048, 2049, 16383])
 def test_decode_scratch_on_stack_and_heap(width):
     # One row below the serial size: the decode kernel keeps its scratch row on the stack up to
-    # cpu._STACK_SCRATCH floats and on the heap beyond; both sides of the boundary, bitwise.
-    from dsnorm import cpu
+    # kernels._STACK_SCRATCH floats and on the heap beyond; both sides of the boundary, bitwise.
+    from dsnorm.cpu import cascade, kernels
 
-    assert (width + cpu.ACC_SLOTS <= cpu._STACK_SCRATCH) == (width == 2048)
+    assert (width + cascade.ACC_SLOTS <= kernels._STACK_SCRATCH) == (width == 2048)
     x, r, w = _data((1, width), torch.bfloat16, 28), _data((1, width), torch.bfloat16, 29), _weight(width)
     with torch.no_grad():
         assert bits_equal(dsnorm.rms_norm(x, w), rms_norm_ref(x, w))

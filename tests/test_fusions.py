@@ -12,13 +12,15 @@ import ast
 import hashlib
 import importlib
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 import dsnorm
-from dsnorm import cpu_fusions, fusions
+from dsnorm import fusions
+from dsnorm.cpu import fusion_kernels
 from dsnorm.fusions import (
     act_quant_ref,
     final_norm,
@@ -80,7 +82,7 @@ def _patterns() -> np.ndarray:
 
 def test_e4m3_conversion_matches_torch():
     v = _patterns()
-    got = cpu_fusions.e4m3_bits(v)
+    got = fusion_kernels.e4m3_bits(v)
     t = torch.from_numpy(v)
     # The reference's clamp then cast (the kernels fold the clamp into a saturating conversion).
     want = t.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
@@ -111,7 +113,7 @@ def test_ue8m0_rounding():
     rand = (rng.random(20000) * 10.0 ** rng.integers(-9, 9, 20000)).astype(np.float32)
     v = np.concatenate([powers, ulp_above, ulp_below, rand[rand > 0]])
     want = _ue8m0_oracle(v)
-    assert np.array_equal(cpu_fusions.ue8m0_scales(v), want)
+    assert np.array_equal(fusion_kernels.ue8m0_scales(v), want)
     # The reference (frexp) agrees; log2 in fp32 does not (the reason it is not used).
     t = torch.from_numpy(v)
     mant, exp = torch.frexp(t)
@@ -120,7 +122,7 @@ def test_ue8m0_rounding():
     naive = torch.exp2(torch.ceil(torch.log2(t)))
     assert not torch.equal(naive, torch.from_numpy(want))
     special = np.array([np.inf, np.nan], dtype=np.float32)
-    out = cpu_fusions.ue8m0_scales(special)
+    out = fusion_kernels.ue8m0_scales(special)
     assert np.isinf(out[0]) and np.isnan(out[1])
 
 
@@ -510,24 +512,62 @@ def test_fusions_refuse_compatibility_options_by_name():
         dsnorm.mla_latent_norms(x, torch.randn(2, 40).bfloat16(), w, torch.ones(32), cast="hf")
 
 
-def test_fusion_kernels_cache_is_invalidated_with_cpu_py():
-    # Found by review: after a change to cpu.py alone, a warm numba cache gave the fusion kernels
-    # the old _forward_rows (mla_latent_norms no longer equal to rms_norm). Their file must change
-    # with cpu.py, which this digest enforces.
-    from dsnorm import cpu
+# The dsnorm.cpu modules that define kernels (numba caches them).
+KERNEL_MODULES = ("kernels", "fusion_kernels")
 
-    with open(cpu.__file__, "rb") as f:
-        digest = hashlib.sha256(f.read()).hexdigest()
-    assert cpu_fusions.CPU_SOURCE_SHA256 == digest, (
-        f"cpu.py changed: set cpu_fusions.CPU_SOURCE_SHA256 = {digest!r} so that numba recompiles the "
-        "fusion kernels (their cache is stamped with cpu_fusions.py only)")
+
+def _cpu_imports(module):
+    """The dsnorm.cpu modules that ``dsnorm.cpu.<module>`` imports, directly or not (short names)."""
+    found, todo = set(), [module]
+    while todo:
+        tree = ast.parse(Path(importlib.import_module(f"dsnorm.cpu.{todo.pop()}").__file__).read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module == "dsnorm.cpu":
+                names = {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("dsnorm.cpu."):
+                names = {node.module.split(".")[2]}
+            else:
+                continue
+            todo += sorted(names - found)
+            found |= names
+    return found
+
+
+def _dependencies_digest(module):
+    """What ``DEPENDENCIES_SHA256`` of ``dsnorm.cpu.<module>`` must be: the sha256 of the sources of
+    the modules it imports (in name order, each without its own ``DEPENDENCIES_SHA256`` line, so
+    that one update serves a chain of them)."""
+    digest = hashlib.sha256()
+    for name in sorted(_cpu_imports(module)):
+        text = Path(importlib.import_module(f"dsnorm.cpu.{name}").__file__).read_text()
+        digest.update(name.encode() + b"\0")
+        digest.update("".join(line for line in text.splitlines(keepends=True)
+                              if not line.startswith("DEPENDENCIES_SHA256 = ")).encode())
+    return digest.hexdigest()
+
+
+@pytest.mark.parametrize("module", KERNEL_MODULES)
+def test_kernel_caches_are_invalidated_with_the_modules_they_compile_in(module):
+    # Found by review: after a change to cpu.py alone, a warm numba cache gave the fusion kernels
+    # the old _forward_rows (mla_latent_norms no longer equal to rms_norm): numba stamps a cached
+    # kernel with its own file only. A file of kernels must change with every module whose code its
+    # kernels compile in, which this digest enforces (dsnorm.cpu.runtime).
+    mod = importlib.import_module(f"dsnorm.cpu.{module}")
+    digest = _dependencies_digest(module)
+    assert mod.DEPENDENCIES_SHA256 == digest, (
+        f"a module it imports ({', '.join(sorted(_cpu_imports(module)))}) changed: set dsnorm.cpu.{module}."
+        f"DEPENDENCIES_SHA256 = {digest!r} so that numba recompiles its kernels (their cache is stamped "
+        f"with {module}.py only)")
+    assert "kernels" in _cpu_imports("fusion_kernels") and "cascade" in _cpu_imports(module)
+    defining = {p.stem for p in Path(mod.__file__).parent.glob("*.py") if _kernel_definitions(p)}
+    assert defining == set(KERNEL_MODULES)
 
 
 def _kernel_calls_with_literals(path):
-    """``(caller, callee, line)`` for each call from one ``@_kernel`` function to another that
+    """``(caller, callee, line)`` for each call from one ``@kernel`` function to another that
     passes a literal argument."""
     kernels = {name: node for name, (node, _) in _kernel_definitions(path).items()}
-    names = set(kernels) | {"_forward_rows"}  # cpu_fusions calls cpu's as cpu._forward_rows
+    names = set(kernels) | {"forward_rows"}  # fusion_kernels calls kernels' forward_rows
     found = []
     for caller, node in kernels.items():
         for call in ast.walk(node):
@@ -539,7 +579,7 @@ def _kernel_calls_with_literals(path):
     return found
 
 
-@pytest.mark.parametrize("module", ["cpu", "cpu_fusions"])
+@pytest.mark.parametrize("module", ["cpu.kernels", "cpu.fusion_kernels"])
 def test_kernels_call_kernels_without_literal_arguments(module):
     # numba compiles a called kernel once per argument signature and types a literal 0 or False as
     # Literal[int](0) / Literal[bool](False): a serial caller passing 0 where the parallel one
@@ -550,7 +590,7 @@ def test_kernels_call_kernels_without_literal_arguments(module):
 
 
 def _kernel_definitions(path):
-    """``{name: (FunctionDef, parallel)}`` for the ``@_kernel(...)`` / ``@cpu._kernel(...)``
+    """``{name: (FunctionDef, parallel)}`` for the ``@kernel(...)`` / ``@runtime.kernel(...)``
     functions of a source file."""
     with open(path) as f:
         tree = ast.parse(f.read())
@@ -559,7 +599,7 @@ def _kernel_definitions(path):
         if isinstance(node, ast.FunctionDef):
             for d in node.decorator_list:
                 name = getattr(d, "func", None) and (getattr(d.func, "id", None) or getattr(d.func, "attr", None))
-                if isinstance(d, ast.Call) and name == "_kernel":
+                if isinstance(d, ast.Call) and name == "kernel":
                     parallel = any(k.arg == "parallel" and getattr(k.value, "value", None) is True for k in d.keywords)
                     found[node.name] = (node, parallel)
     return found
@@ -588,8 +628,8 @@ def test_parallel_kernels_call_their_rows_kernel_by_address():
     # Called by name, a kernel's machine code is linked into the parallel kernel's module and LLVM
     # optimises it again at each stage that builds a parallel kernel (the first prefill fused norm
     # compiled for 27 s on a 2-core Zen 3, 11 s by address); by address it is compiled once
-    # (cpu._by_address).
-    paths = [importlib.import_module(f"dsnorm.{m}").__file__ for m in ("cpu", "cpu_fusions")]
+    # (dsnorm.cpu.kernels).
+    paths = [importlib.import_module(f"dsnorm.cpu.{m}").__file__ for m in KERNEL_MODULES]
     parallel, found = _parallel_kernels_calling_kernels_by_name(paths)
     assert len(parallel) == 5 and found == []
 
@@ -598,14 +638,15 @@ def test_a_call_by_address_checks_its_argument_types_and_propagates_errors():
     from numba import njit, prange, types
     from numba.core.errors import TypingError
 
-    from dsnorm import cpu
+    from dsnorm.cpu.intrinsics import by_address
+    from dsnorm.cpu.launch import compiled_address
 
     @njit
     def divide(out, a, b):
         out[0] = a // b
 
     signature = (types.Array(types.int64, 1, "C"), types.int64, types.int64)
-    call = cpu._by_address(signature)
+    call = by_address(signature)
 
     @njit
     def caller(address, out, a, b):
@@ -620,7 +661,7 @@ def test_a_call_by_address_checks_its_argument_types_and_propagates_errors():
         for t in prange(out.shape[0]):  # one call per row, on the pool's threads
             call(address, (out[t], np.int64(t) + 7, b))
 
-    address = cpu.compiled_address(divide, signature)
+    address = compiled_address(divide, signature)
     out = np.zeros(1, dtype=np.int64)
     caller(address, out, 7, 2)
     assert out[0] == 3
@@ -636,19 +677,21 @@ def test_a_call_by_address_checks_its_argument_types_and_propagates_errors():
 def test_calls_by_address_refuse_what_would_misread_memory():
     from numba import njit, types
 
-    from dsnorm import cpu
+    from dsnorm.cpu import kernels, launch
+    from dsnorm.cpu.cascade import ACC_SLOTS
+    from dsnorm.cpu.intrinsics import BF16
 
     @njit
     def returns_a_value(a):
         return a + 1.0
 
     with pytest.raises(TypeError, match="returns float64; a call by address takes kernels that return None"):
-        cpu.compiled_address(returns_a_value, (types.float64,))
+        launch.compiled_address(returns_a_value, (types.float64,))
     # A launch whose scratch dtype is not its key's: the address would be the other compilation's.
     x = torch.randn(64, 1536, dtype=torch.bfloat16)
-    scratch64 = cpu.thread_rows(2, 1536 + cpu.ACC_SLOTS, np.float64)
+    scratch64 = launch.thread_rows(2, 1536 + ACC_SLOTS, np.float64)
     y = torch.empty_like(x)
     with pytest.raises(TypeError, match="a float64 scratch for key False, whose rows kernel takes float32"):
-        cpu.Parallel(cpu._forward_parallel, cpu._forward_rows, cpu.FORWARD_ROWS_SIGNATURES, 3).launch(
-            False, 64, 1536, scratch64, x.data_ptr(), 1536, cpu.BF16, 0, 0, 0, torch.ones(1536).data_ptr(),
+        launch.Parallel(kernels.forward_parallel, kernels.forward_rows, kernels.FORWARD_ROWS_SIGNATURES, 3).launch(
+            False, 64, 1536, scratch64, x.data_ptr(), 1536, BF16, 0, 0, 0, torch.ones(1536).data_ptr(),
             y.data_ptr(), 1536, 0, 0, 0, 0, 1e-6, False, False)

@@ -1,4 +1,4 @@
-"""The fast lane (dsnorm.cpu.lane) and RMSNorm.__call__: same bits and same refusals as the
+"""The fast lane (dsnorm.cpu.lane.lane) and RMSNorm.__call__: same bits and same refusals as the
 general path, and they step aside for everything the general path exists for (autograd,
 dispatch modes, hooks, bad arguments)."""
 
@@ -354,7 +354,7 @@ def test_fused_outputs_do_not_fault_every_call(history):
 
 
 # ---------------------------------------------------------------------------------------------
-# The MLA pair's lane (dsnorm.cpu_fusions.mla_lane): the core decode kernel twice, same bits as the
+# The MLA pair's lane (dsnorm.cpu.lane.mla_lane): the core decode kernel twice, same bits as the
 # general path, and it steps aside for what that path exists for.
 
 
@@ -389,10 +389,11 @@ def test_mla_lane_matches_the_two_norms(mla_lane_only, dtype, lead):
 
 @pytest.mark.parametrize("case", ["strided q", "bf16 weight", "fp64", "grad", "dispatch mode", "large"])
 def test_mla_lane_steps_aside(monkeypatch, case):
-    from dsnorm import cpu_fusions, fusions
+    from dsnorm import fusions
+    from dsnorm.cpu import lane
 
     answers = []  # what the lane returned: None where it stepped aside
-    monkeypatch.setattr(fusions, "_mla_lane", lambda *args: answers.append(cpu_fusions.mla_lane(*args)) or answers[-1])
+    monkeypatch.setattr(fusions, "_mla_lane", lambda *args: answers.append(lane.mla_lane(*args)) or answers[-1])
     q, kv, wq, wkv = _mla_inputs((2, 1), torch.bfloat16)
     if case == "strided q":
         q = _data((2, 1, 1600), torch.bfloat16, 50)[..., :1536]

@@ -14,16 +14,32 @@ PACKAGE = Path(dsnorm.__file__).parent
 # outside dsnorm is free). Imports inside functions count too: a lazy import is still a dependency.
 BASE = {"dsnorm.ref", "dsnorm.forking", "dsnorm.dispatch", "dsnorm.rows"}
 SPEC = BASE | {"dsnorm.spec"}
-KERNELS = SPEC | {"dsnorm.cpu", "dsnorm.cpu_fusions", "dsnorm.triton", "dsnorm.triton.kernels",
-                  "dsnorm.triton.launch", "dsnorm.triton.fusions"}
+# dsnorm.cpu's modules, each with the package's modules it may import (downward only; alloc is
+# self-contained, and the package itself imports none of them).
+CPU_BELOW = {
+    "dsnorm.cpu": set(),
+    "dsnorm.cpu.alloc": set(),
+    "dsnorm.cpu.runtime": set(),
+    "dsnorm.cpu.intrinsics": set(),
+    "dsnorm.cpu.cascade": {"dsnorm.cpu.intrinsics"},
+    "dsnorm.cpu.stages": {"dsnorm.cpu.intrinsics"},
+}
+CPU_BELOW["dsnorm.cpu.kernels"] = {"dsnorm.cpu.runtime", "dsnorm.cpu.intrinsics", "dsnorm.cpu.cascade",
+                                   "dsnorm.cpu.stages"}
+CPU_BELOW["dsnorm.cpu.fusion_kernels"] = CPU_BELOW["dsnorm.cpu.kernels"] | {"dsnorm.cpu.kernels"}
+CPU_BELOW["dsnorm.cpu.launch"] = CPU_BELOW["dsnorm.cpu.fusion_kernels"] | {"dsnorm.cpu.fusion_kernels",
+                                                                             "dsnorm.cpu.alloc"}
+CPU_BELOW["dsnorm.cpu.lane"] = CPU_BELOW["dsnorm.cpu.launch"] | {"dsnorm.cpu.launch"}
+KERNELS = SPEC | set(CPU_BELOW) | {"dsnorm.triton", "dsnorm.triton.kernels", "dsnorm.triton.launch",
+                                   "dsnorm.triton.fusions"}
 ALLOWED = {
     "dsnorm.ref": set(),
     "dsnorm.forking": set(),
     "dsnorm.dispatch": set(),
     "dsnorm.rows": set(),
     "dsnorm.spec": BASE,
-    "dsnorm.cpu": KERNELS,
-    "dsnorm.cpu_fusions": KERNELS,
+    **{name: (set() if name in ("dsnorm.cpu", "dsnorm.cpu.alloc") else SPEC | {"dsnorm.cpu"}) | below
+       for name, below in CPU_BELOW.items()},
     "dsnorm.triton.kernels": KERNELS,
     "dsnorm.triton.launch": KERNELS,
     "dsnorm.triton.fusions": KERNELS,

@@ -29,7 +29,7 @@ def test_the_list_covers_what_it_must():
     names = [m.name for m in MUTANTS]
     assert len(names) >= 12 and len(set(names)) == len(names)
     files = {m.file for m in MUTANTS}
-    assert {"cpu.py", "cpu_fusions.py", "ops.py", "triton/kernels.py", "triton/fusions.py"} <= files
+    assert {"cpu/stages.py", "cpu/fusion_kernels.py", "ops.py", "triton/kernels.py", "triton/fusions.py"} <= files
 
 
 @pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: m.name)

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import dsnorm
-from dsnorm import cpu, cpu_fusions, ops
+from dsnorm import ops
+from dsnorm.cpu import fusion_kernels, kernels, runtime
 from dsnorm.ref import RMSNormRef, fused_add_rms_norm_ref, rms_norm_ref
 
 from conftest import assert_y_close, bits_equal
@@ -226,7 +227,7 @@ def test_kernels_run_where_numba_has_no_cache_directory():
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             y = dsnorm.rms_norm(x, w)
-            import dsnorm.cpu_fusions  # takes the same answer, no second warning
+            import dsnorm.cpu.fusion_kernels  # takes the same answer, no second warning
         assert torch.equal(y, rms_norm_ref(x, w)), "bits"
         texts = [str(c.message) for c in caught if "dsnorm" in str(c.message)]
         assert len(texts) == 1 and "NUMBA_CACHE_DIR" in texts[0], texts
@@ -239,13 +240,13 @@ def test_kernels_run_where_numba_has_no_cache_directory():
 
 def test_every_cached_kernel_saves_under_the_lock():
     # numba names a new signature's cache file from the index it read, with no lock between
-    # processes (cpu._kernel): every cached kernel of both kernel files saves through the lock.
+    # processes (dsnorm.cpu.runtime.kernel): every cached kernel of both kernel files saves through the lock.
     from numba.core.caching import FunctionCache
     from numba.core.registry import CPUDispatcher
 
-    if not cpu._CACHE or cpu._fcntl is None:
+    if not runtime._CACHE or runtime._fcntl is None:
         pytest.skip("numba cannot cache here, or there is no fcntl: saves are numba's own")
-    cached = {id(obj): (name, obj) for module in (cpu, cpu_fusions) for name, obj in vars(module).items()
+    cached = {id(obj): (name, obj) for module in (kernels, fusion_kernels) for name, obj in vars(module).items()
               if isinstance(obj, CPUDispatcher) and isinstance(obj._cache, FunctionCache)}
     assert len(cached) >= 20, sorted(name for name, _ in cached.values())
     for name, kernel in cached.values():
@@ -260,14 +261,14 @@ def test_a_kernel_cache_save_waits_for_the_lock(tmp_path):
     import time
     import uuid
 
-    if not cpu._CACHE or cpu._fcntl is None:
+    if not runtime._CACHE or runtime._fcntl is None:
         pytest.skip("numba cannot cache here, or there is no fcntl: saves are numba's own")
     import fcntl
 
     tag = uuid.uuid4().hex
     name = f"dsnorm_locked_save_probe_{tag}"
     (tmp_path / f"{name}.py").write_text(
-        f"from dsnorm.cpu import _kernel\n\n\n@_kernel()\ndef twice(a):  # {tag}\n    return 2 * a\n")
+        f"from dsnorm.cpu.runtime import kernel\n\n\n@kernel()\ndef twice(a):  # {tag}\n    return 2 * a\n")
     sys.path.insert(0, str(tmp_path))
     try:
         probe = importlib.import_module(name)
@@ -295,15 +296,15 @@ def test_a_kernel_cache_save_waits_for_the_lock(tmp_path):
 def test_a_child_forked_during_a_cache_save_does_not_keep_the_lock(tmp_path):
     # flock belongs to the open file, which a forked child shares: a child forked by another thread
     # while a save held the lock closes its copy, so the parent's later saves are not stalled by it.
-    if cpu._fcntl is None or not hasattr(os, "fork"):
+    if runtime._fcntl is None or not hasattr(os, "fork"):
         pytest.skip("no fcntl or no fork")
     code = textwrap.dedent(f"""
         import fcntl, os, sys, time
-        from dsnorm import cpu
+        from dsnorm.cpu import runtime
         path = {str(tmp_path / "kernel.nbi.lock")!r}
         held = open(path, "a")
         fcntl.flock(held, fcntl.LOCK_EX)
-        cpu._held_cache_locks.add(held)  # as locked_save does around the save
+        runtime._held_cache_locks.add(held)  # as locked_save does around the save
         ready_r, ready_w = os.pipe()
         pid = os.fork()
         if pid == 0:  # the fork hooks have run by now
@@ -311,7 +312,7 @@ def test_a_child_forked_during_a_cache_save_does_not_keep_the_lock(tmp_path):
             time.sleep(30)  # a long-lived child: a DataLoader worker, a server's worker process
             os._exit(0)
         os.read(ready_r, 1)
-        cpu._held_cache_locks.discard(held)
+        runtime._held_cache_locks.discard(held)
         held.close()  # the save is over
         other = open(path, "a")
         try:
@@ -559,7 +560,7 @@ def test_kernels_release_the_gil():
     # As torch's ops do: a request thread per core (each with torch.set_num_threads(1)) runs its
     # norms in parallel, and an event loop is not stalled for a prefill norm's length. Every
     # kernel Python calls (inlined ones are not called from Python) is compiled nogil.
-    called = {f"{mod.__name__}.{name}": obj for mod in (cpu, cpu_fusions) for name, obj in vars(mod).items()
+    called = {f"{mod.__name__}.{name}": obj for mod in (kernels, fusion_kernels) for name, obj in vars(mod).items()
               if isinstance(obj, numba.core.registry.CPUDispatcher) and obj.__module__ == mod.__name__
               and obj.targetoptions.get("inline") != "always"}
     assert len(called) >= 20
@@ -601,11 +602,11 @@ def test_parallel_calls_from_several_threads_on_the_workqueue_layer():
 
 _FORK_WHILE_LAUNCHING_SCRIPT = r"""
 import faulthandler, os, sys, torch, dsnorm
-from dsnorm import cpu
+from dsnorm.cpu import runtime
 torch.set_num_threads(2)
 x, w = torch.randn(64, 7168), torch.ones(7168)
-want = dsnorm.rms_norm(x, w)  # starts the pool: on workqueue, cpu._pool_lock exists
-for lock in (cpu._pool_lock, cpu._compile_lock):
+want = dsnorm.rms_norm(x, w)  # starts the pool: on workqueue, runtime._pool_lock exists
+for lock in (runtime._pool_lock, runtime._compile_lock):
     # As if another thread were mid-launch (the kernel runs without the GIL) or mid-compile.
     with lock:
         pid = os.fork()

@@ -190,7 +190,7 @@ def test_backward_reads_a_negated_or_zero_output_gradient(fused):
 
 
 def test_mla_pair_reads_negated_and_zero_inputs():
-    # The MLA pair's own lane (cpu_fusions.mla_lane) refuses what it cannot read as raw memory.
+    # The MLA pair's own lane (dsnorm.cpu.lane.mla_lane) refuses what it cannot read as raw memory.
     q, kv = _data((2, 1, 1536), 8), _data((2, 1, 576), 9)
     wq, wkv = _weight(1536), _weight(512)
     zero_kv = torch._efficientzerotensor(2, 1, 576, dtype=torch.bfloat16)

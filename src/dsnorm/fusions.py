@@ -12,7 +12,7 @@ the default residual options (the unrounded fp32 sum is normalised; the residual
 defaults, so that other values are refused by name; use :func:`dsnorm.rms_norm` /
 :func:`dsnorm.fused_add_rms_norm` for those.
 
-Each has a ``torch.ops.dsnorm`` op (CPU: numba, :mod:`dsnorm.cpu_fusions`; CUDA: Triton,
+Each has a ``torch.ops.dsnorm`` op (CPU: numba, :mod:`dsnorm.cpu.launch`; CUDA: Triton,
 :mod:`dsnorm.triton.fusions`) with checks shared by the real and fake impls. The eager reference
 of the quantisation, :func:`act_quant_ref`, is written from the semantics of DeepSeek's
 ``act_quant`` (not from its code):
@@ -84,14 +84,14 @@ _fusion_launchers: dict = {}
 
 
 def _launcher(t: torch.Tensor):
-    """dsnorm.cpu_fusions or dsnorm.triton.fusions: both also re-export their device's core
+    """dsnorm.cpu.launch or dsnorm.triton.fusions: both also have their device's core
     ``forward`` and ``empty_output``."""
     kind = "cpu" if t.is_cpu else t.device.type
     mod = _fusion_launchers.get(kind)
     if mod is None:
         ops._launcher(t)  # the core's device check and its error for a missing Triton
         if kind == "cpu":
-            from dsnorm import cpu_fusions as mod
+            from dsnorm.cpu import launch as mod
         else:
             from dsnorm.triton import fusions as mod
         _fusion_launchers[kind] = mod
@@ -506,7 +506,7 @@ _mla_lane = None
 def _load_mla_lane():
     # Imported on first use: importing dsnorm loads no numba.
     global _mla_lane
-    from dsnorm.cpu_fusions import mla_lane
+    from dsnorm.cpu.lane import mla_lane
 
     _mla_lane = mla_lane
     return mla_lane

@@ -21,10 +21,10 @@ is more than a decode-sized norm costs. The CPU key runs the numba kernels (:mod
 CUDA key the Triton kernels (:mod:`dsnorm.triton.launch`, imported on first CUDA use). What each op
 accepts, and the errors it raises, is :mod:`dsnorm.spec`'s.
 
-The CPU impls of the three inference forms try the CPU fast lane (:func:`dsnorm.cpu.lane`) first;
-the ``*_checked`` functions are the same ops without it, registered for CUDA (which never imports
-numba) and called by the functional API once its own attempt of the lane declined: the lane is
-tried once per call, whichever entry point the call came through.
+The CPU impls of the three inference forms try the CPU fast lane (:func:`dsnorm.cpu.lane.lane`)
+first; the ``*_checked`` functions are the same ops without it, registered for CUDA (which never
+imports numba) and called by the functional API once its own attempt of the lane declined: the
+lane is tried once per call, whichever entry point the call came through.
 """
 
 from __future__ import annotations
@@ -114,10 +114,10 @@ def _launcher(x: torch.Tensor):
 
 def _load_launcher(device: torch.device):
     if device.type == "cpu":
-        _load_lane()  # the CPU kernels' module, and with it the lane
-        from dsnorm import cpu
+        _load_lane()  # the CPU kernels' modules, and with them the lane
+        from dsnorm.cpu import launch
 
-        return cpu
+        return launch
     if device.type == "cuda":
         try:
             from dsnorm.triton import launch
@@ -179,18 +179,18 @@ def fused_add_rms_norm_fwd_unchecked(x, residual, weight, eps, cast, residual_ro
 
 
 def _load_lane():
-    """Install the CPU kernels' fast lane (dsnorm.cpu is imported on first CPU use: importing dsnorm
-    loads no numba). From then on the functional API and the module try it before anything else,
-    and the CPU impls below for calls that come through the dispatcher."""
+    """Install the CPU kernels' fast lane (dsnorm.cpu's modules are imported on first CPU use:
+    importing dsnorm loads no numba). From then on the functional API and the module try it before
+    anything else, and the CPU impls below for calls that come through the dispatcher."""
     global lane
     if lane is None:
-        from dsnorm import cpu
+        from dsnorm.cpu.lane import lane as cpu_lane
 
-        lane = cpu.lane
+        lane = cpu_lane
     return lane
 
 
-# dsnorm.cpu.lane once loaded (by the first CPU call, or _load_lane).
+# dsnorm.cpu.lane.lane once loaded (by the first CPU call, or _load_lane).
 lane = None
 PLAIN, FUSED, INPLACE = Form.PLAIN, Form.FUSED, Form.INPLACE
 

@@ -6,7 +6,7 @@ the tables (dtypes, options, residual dtypes, eps bounds), the ``check_*`` funct
 an error naming the argument, and the common-case predicates the fast paths use instead of the
 checks (``common_case``, ``inplace_common_case``, ``train_lane_*``, ``backward_inputs_match``),
 each written from the same tables and proving a subset of what the checks accept. The CPU lane
-(:func:`dsnorm.cpu.lane`) reads the tables too; a rule changes here, in one place.
+(:func:`dsnorm.cpu.lane.lane`) reads the tables too; a rule changes here, in one place.
 """
 
 from __future__ import annotations

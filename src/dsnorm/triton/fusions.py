@@ -1,4 +1,4 @@
-"""Triton kernels and launchers of the inference fusions (the interface of ``dsnorm.cpu_fusions``).
+"""Triton kernels and launchers of the inference fusions (the interface of ``dsnorm.cpu.launch``'s).
 
 * ``rms_norm_fp8_kernel``: one program per row: the core's norm arithmetic (the helpers of
   :mod:`dsnorm.triton.kernels`: ``_load_s``, ``_rstd``, ``_row_sum``, ``_narrow``, ``_round_to``),
@@ -45,7 +45,8 @@ def _max_combine(a, b):
 def e4m3_bits(v):
     """fp32 -> float8_e4m3fn bits (uint8): round to nearest even, saturating at +-448 (what the
     reference's clamp then cast gives), NaN -> 0x7F with the NaN's sign. See
-    ``dsnorm.cpu_fusions._e4m3_bits`` for the derivation; this is the same integer arithmetic."""
+    ``dsnorm.cpu.fusion_kernels._e4m3_bits`` for the derivation; this is the same integer
+    arithmetic."""
     u = v.to(tl.uint32, bitcast=True)
     sign = (u >> 24) & 0x80
     a = u & 0x7FFFFFFF
@@ -182,7 +183,7 @@ def _rows(t):
 
 def rms_norm_fp8(x, residual, weight, eps, ue8m0, block, y, residual_out, q, scales) -> None:
     """q, scales = act_quant(y); y = norm(x (+ residual)); residual_out = x + residual (see
-    ``dsnorm.cpu_fusions.rms_norm_fp8`` for the contract)."""
+    ``dsnorm.cpu.launch.rms_norm_fp8`` for the contract)."""
     if x.numel() == 0:
         return
     grid, args, meta = rms_norm_fp8_params(_rows(x), _rows(residual), weight, eps, ue8m0, block, _rows(y),
@@ -305,7 +306,7 @@ def mla_params(q_latent, kv, q_weight, kv_weight, eps, q_out, kv_out):
 
 def mla_latent_norms(q_latent, kv_a, q_weight, kv_weight, eps, q_out, kv_out) -> None:
     """q_out = norm(q_latent), kv_out = norm(kv_a[..., :nkv]), one launch (contract of
-    ``dsnorm.cpu_fusions``): the slice is a strided view, read in place."""
+    ``dsnorm.cpu.launch``'s): the slice is a strided view, read in place."""
     if q_latent.numel() == 0:
         return
     kv = kv_a[..., : kv_weight.shape[0]]

@@ -1,0 +1,395 @@
+"""The forward and backward kernels: a rows kernel that does the work, and the serial and parallel
+kernels that call it (plus the decode kernel, a serial one with fewer arguments).
+
+* One pass over memory: each row is widened once into a per-thread scratch row in the compute dtype
+  (it stays in L1/L2), which the sum (:mod:`dsnorm.cpu.cascade`, torch's order) and the output
+  stage then read; inputs are read once, outputs written once. Then, as torch computes it,
+  ``mean = sum / n`` (true division), ``rstd = 1 / sqrt(mean + eps)`` (torch's CPU rsqrt),
+  ``xhat = s * rstd`` and only then ``weight * xhat``.
+* Calls by address: a parallel kernel calls its per-thread rows kernel through the rows kernel's
+  compiled address, handed to it as an argument, instead of by name. Called by name, numba links
+  the callee's whole machine-code module into the parallel kernel's and LLVM optimises the linked
+  callee again at each of the four stages that build a parallel kernel (its body as a gufunc, the
+  gufunc's wrapper, the kernel, its Python wrapper), for code compiled already. Called by address
+  (:func:`dsnorm.cpu.intrinsics.by_address`), the rows kernel is compiled (or loaded from the
+  cache) once, with the serial kernels that call it by name.
+* A kernel calls another with typed values (``I0``, ``NO``), never literals: numba compiles a
+  called kernel once per signature and types a literal ``0`` as ``Literal[int](0)``, so a caller
+  passing ``0`` where another passes a computed value costs one more compilation of the callee.
+* dweight is reduced over fixed row blocks whose size depends only on the shape, then the blocks
+  are added in block order: the same bits for any thread count.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba import njit, prange, types
+
+from dsnorm.cpu.cascade import ACC_SLOTS, SUM_LANES, sum_finish, sum_layout, sum_step, sumsq_narrow
+from dsnorm.cpu.intrinsics import BF16, by_address, code_size, prefetch_line, ptr_f32, ptr_f64, stack_f32
+from dsnorm.cpu.runtime import kernel
+from dsnorm.cpu.stages import load_row, load_span, round_row, store_row, store_scaled_row
+
+# This module's kernels compile those of the modules above into themselves: the digest of their
+# sources (see dsnorm.cpu.runtime) makes a change to any of them a change to this file.
+DEPENDENCIES_SHA256 = "93ba52737e541d928d944f52a6df93e7ed4bc1bdea4a775850dc4ba11c8d686b"
+
+# Software prefetch of the next row, interleaved with the store pass (see forward_rows): every
+# _PREFETCH_BYTES of output stored, the matching 64-byte lines of the next row's inputs are
+# requested. It pays only for rows that come from DRAM: rows of at least _PREFETCH_MIN_WIDTH
+# elements and a thread's share of x of at least _PREFETCH_MIN_BYTES; in place (the sum written
+# over the residual and y over x) also from L3, for rows of at least _PREFETCH_IN_PLACE_MIN_WIDTH
+# once a thread's share of x passes its L2. Elsewhere it costs time.
+_PREFETCH_BYTES = 256
+_PREFETCH_MIN_WIDTH = 1024
+_PREFETCH_MIN_BYTES = 8 << 20
+_PREFETCH_IN_PLACE_MIN_WIDTH = 4096
+_PREFETCH_IN_PLACE_MIN_BYTES = 2 << 20
+
+
+# Out of line, called by forward_rows: inlined there, the register sum made the wide rows' threaded
+# fused calls fault in a fresh output now and then (in some processes, some calls; none before it or
+# with this call; why is not understood). The call costs narrow rows a few percent.
+@kernel()
+def _narrow_total(buf, n):
+    return sumsq_narrow(buf, n)
+
+
+# A zero and a False typed int64 / bool, for kernels calling kernels (see the module docstring).
+I0 = np.int64(0)
+NO = np.bool_(False)
+
+
+def scratch_types(ndim: int) -> dict:
+    """C-contiguous scratch arrays of ``ndim`` dimensions by compute dtype (x64: float64)."""
+    return {x64: types.Array(types.float64 if x64 else types.float32, ndim, "C") for x64 in (False, True)}
+
+
+I64 = types.int64
+ROW = scratch_types(1)
+ROWS = scratch_types(2)
+# forward_rows' argument types by compute dtype (x64): every caller passes these.
+FORWARD_ROWS_SIGNATURES = {
+    x64: (I64,) * 3 + (ROW[x64],) + (I64,) * 13 + (types.float64, types.boolean, types.boolean)
+    for x64 in (False, True)
+}
+_call_forward_rows = by_address(*FORWARD_ROWS_SIGNATURES.values())
+
+
+# Not inlined: numba's parfor pass analyses what it inlines into a prange body and dropped the
+# rstd store made through a raw pointer there (a wrong result, found by the tests). A call is
+# opaque to it, and costs one call per thread. Its callers pass typed values, never literals (see
+# the module docstring; tests/test_fusions.py checks the calls).
+@kernel()
+def forward_rows(
+    r0, r1, n, scratch,
+    x_addr, x_stride, x_code,
+    res_addr, res_stride, res_code,
+    w_addr,
+    y_addr, y_stride,
+    rout_addr, rout_stride, rout_code,
+    rstd_addr, eps_f64, cast_hf, round_first,
+):
+    buf = scratch[:n]
+    acc = scratch[n:]
+    lanes_max = SUM_LANES if scratch.itemsize == 4 else SUM_LANES // 2
+    # Constants in the compute dtype, through the scratch (numba would widen a float32 op with a
+    # Python number to f64): eps rounded to fp32 as torch does for ``var + eps``, and the width.
+    acc[0] = eps_f64
+    eps = acc[0]
+    one = eps / eps
+    acc[0] = n
+    width = acc[0]  # the mean is a true division by the width, as in torch
+    # The one-loop fused stage for the common case; in place it has a bf16 form only (other dtypes
+    # take the stage-per-loop path, whose loops each touch one external row and so vectorise).
+    fused_one_dtype = (
+        res_code == x_code and rout_code == x_code and rout_addr != 0
+        and (rout_addr != res_addr or x_code == BF16)
+    )
+    lanes, nvec, groups, group_len, level_power = sum_layout(n, lanes_max)
+    step_len = group_len << level_power
+    x_size = code_size(x_code)
+    res_size = code_size(res_code)
+    w_size = scratch.itemsize  # the weight is in the compute dtype
+    in_place_wide = res_addr != 0 and rout_addr == res_addr and n >= _PREFETCH_IN_PLACE_MIN_WIDTH
+    min_bytes = _PREFETCH_IN_PLACE_MIN_BYTES if in_place_wide else _PREFETCH_MIN_BYTES
+    prefetch = n >= _PREFETCH_MIN_WIDTH and (r1 - r0) * n * x_size >= min_bytes
+    chunk = _PREFETCH_BYTES // x_size  # elements stored between two rounds of prefetches
+    # Up to one whole level step: with exactly 2**level_power groups the array form's one step moves
+    # level 0 into a zeroed level 1 and back (0 + c is c), the register form's single chain.
+    narrow = lanes == lanes_max and groups <= (1 << level_power)
+    for row in range(r0, r1):
+        if not narrow:
+            for t in range(group_len, 4 * group_len):
+                acc[t] = 0.0
+        # A wide row is loaded a level step at a time and each step summed while it is still in
+        # L1 (one pass over the row instead of a load pass and a sum pass; the sum's order is
+        # unchanged), then the rest; a narrow row in one span. One call site for each inlined stage:
+        # numba copies the stage's IR into every site, and each copy lengthens the first compile.
+        i = 0
+        lo = 0
+        while True:
+            full_step = not narrow and i + (1 << level_power) <= groups
+            hi = lo + step_len if full_step else n
+            load_span(lo, hi, buf, row, x_addr, x_stride, x_code, res_addr, res_stride, res_code,
+                      rout_addr, rout_stride, rout_code, round_first, fused_one_dtype)
+            if not full_step:
+                break
+            i = sum_step(buf, i, lanes, level_power, acc)
+            lo = hi
+        total = _narrow_total(buf, n) if narrow else sum_finish(buf, n, i, lanes, nvec, groups, acc)
+        rstd = one / np.sqrt(total / width + eps)
+        if rstd_addr != 0:
+            if scratch.itemsize == 4:
+                ptr_f32(rstd_addr)[row] = rstd
+            else:
+                ptr_f64(rstd_addr)[row] = rstd
+        # While this row is scaled and stored (no DRAM reads of its own), fetch the next one: without
+        # it the memory system idles for that pass and the two threads only overlap it by chance.
+        # Without prefetching the row is stored in one chunk: one call site, as above.
+        prefetching = prefetch and row + 1 < r1
+        next_x = x_addr + (row + 1) * x_stride * x_size
+        next_res = res_addr + (row + 1) * res_stride * res_size
+        lo = 0
+        while lo < n:
+            hi = min(lo + chunk, n) if prefetching else n
+            if prefetching:
+                for offset in range(lo * x_size, hi * x_size, 64):
+                    prefetch_line(next_x + offset)
+                if res_addr != 0:
+                    for offset in range(lo * res_size, hi * res_size, 64):
+                        prefetch_line(next_res + offset)
+            store_scaled_row(y_addr, row * y_stride + lo, x_code, buf[lo:hi], w_addr + w_size * lo, rstd,
+                             hi - lo, cast_hf)
+            lo = hi
+
+
+@kernel()
+def forward_serial32(
+    rows, n,
+    x_addr, x_stride, x_code, res_addr, res_stride, res_code, w_addr, y_addr, y_stride,
+    rout_addr, rout_stride, rout_code, rstd_addr, eps, cast_hf, round_first,
+):
+    # The scratch row is allocated here: handing numba an array costs more than the allocation.
+    forward_rows(
+        I0, rows, n, np.empty(n + ACC_SLOTS, dtype=np.float32),
+        x_addr, x_stride, x_code, res_addr, res_stride, res_code, w_addr, y_addr, y_stride,
+        rout_addr, rout_stride, rout_code, rstd_addr, eps, cast_hf, round_first,
+    )
+
+
+@kernel()
+def forward_serial64(
+    rows, n,
+    x_addr, x_stride, x_code, res_addr, res_stride, res_code, w_addr, y_addr, y_stride,
+    rout_addr, rout_stride, rout_code, rstd_addr, eps, cast_hf, round_first,
+):
+    forward_rows(
+        I0, rows, n, np.empty(n + ACC_SLOTS, dtype=np.float64),
+        x_addr, x_stride, x_code, res_addr, res_stride, res_code, w_addr, y_addr, y_stride,
+        rout_addr, rout_stride, rout_code, rstd_addr, eps, cast_hf, round_first,
+    )
+
+
+# Floats of decode scratch on the stack at most: 8.7 KiB, the latent norms' widths (1536, 512). A
+# thread's stack may be as small as 32 KiB (threading.stack_size's minimum): 33 KiB of scratch
+# (every width to 8192) crashed such a thread at 7168, and 17 KiB (4096) left it little room.
+_STACK_SCRATCH = 2048 + ACC_SLOTS
+
+
+@kernel()
+def decode32(rows, n, code, x_addr, x_stride, res_addr, w_addr, y_addr, rout_addr, eps, cast_hf, round_first):
+    # Rows of one dtype, all contiguous but x's: the serial kernel with a third of the arguments
+    # (unboxing each one is a noticeable part of a decode norm). The scratch row of a narrow call
+    # is on the stack: a heap array costs more (the allocation, its reference counts); wider rows
+    # keep the heap.
+    width = n + ACC_SLOTS
+    if width <= _STACK_SCRATCH:
+        scratch = numba.carray(stack_f32(width), width)
+    else:
+        scratch = np.empty(width, dtype=np.float32)
+    forward_rows(
+        I0, rows, n, scratch,
+        x_addr, x_stride, code, res_addr, n, code, w_addr, y_addr, n, rout_addr, n, code, I0,
+        eps, cast_hf, round_first,
+    )
+
+
+@kernel(parallel=True)
+def forward_parallel(
+    rows_kernel, rows, n, scratch,
+    x_addr, x_stride, x_code, res_addr, res_stride, res_code, w_addr, y_addr, y_stride,
+    rout_addr, rout_stride, rout_code, rstd_addr, eps, cast_hf, round_first,
+):
+    # rows_kernel: forward_rows' address for this scratch dtype (see the module docstring).
+    # One contiguous block of rows per thread; a row's bits never depend on the split.
+    nthreads = scratch.shape[0]
+    for t in prange(nthreads):
+        _call_forward_rows(rows_kernel, (
+            rows * t // nthreads, rows * (t + 1) // nthreads, n, scratch[t],
+            x_addr, x_stride, x_code, res_addr, res_stride, res_code, w_addr, y_addr, y_stride,
+            rout_addr, rout_stride, rout_code, rstd_addr, eps, cast_hf, round_first,
+        ))
+
+
+@njit(inline="always")
+def _dot(a, b, n, zero):
+    """sum(a[:n] * b[:n]) with eight interleaved accumulators (a fixed order, so deterministic):
+    one running sum would be a chain of n dependent adds."""
+    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = zero
+    full = n - n % 8
+    for j in range(0, full, 8):
+        a0 += a[j] * b[j]
+        a1 += a[j + 1] * b[j + 1]
+        a2 += a[j + 2] * b[j + 2]
+        a3 += a[j + 3] * b[j + 3]
+        a4 += a[j + 4] * b[j + 4]
+        a5 += a[j + 5] * b[j + 5]
+        a6 += a[j + 6] * b[j + 6]
+        a7 += a[j + 7] * b[j + 7]
+    for j in range(full, n):
+        a0 += a[j] * b[j]
+    return ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7))
+
+
+@kernel()  # not inlined, for the same reason as forward_rows
+def _backward_block(
+    r0, r1, n, buf, g, dw,
+    dy_addr, dy_stride, x_addr, x_stride, x_code, res_addr, res_stride, res_code,
+    w_addr, rstd_addr, dro_addr, dro_stride, dro_code,
+    dx_addr, dx_stride, dres_addr, dres_stride, round_first,
+):
+    """Rows [r0, r1): dx, dresidual, and this block's dweight partial (``dw``, written)."""
+    cd64 = buf.itemsize == 8
+    for j in range(n):
+        dw[j] = 0.0
+    # Compute-dtype constants (a Python number would widen float32 arithmetic to f64).
+    zero = dw[0]
+    buf[0] = n
+    width = buf[0]
+    for row in range(r0, r1):
+        load_row(x_addr, row * x_stride, x_code, buf, n, False)
+        if res_addr != 0:
+            load_row(res_addr, row * res_stride, res_code, buf, n, True)
+            if round_first:
+                round_row(buf, n, x_code)
+        # Read through the scratch so rstd keeps the compute dtype in both specialisations.
+        if cd64:
+            g[0] = ptr_f64(rstd_addr)[row]
+        else:
+            g[0] = ptr_f32(rstd_addr)[row]
+        rstd = g[0]
+        load_row(dy_addr, row * dy_stride, x_code, g, n, False)
+        if cd64:
+            w64 = ptr_f64(w_addr)
+            for j in range(n):
+                buf[j] = buf[j] * rstd
+                dw[j] += g[j] * buf[j]
+                g[j] = g[j] * w64[j]
+        else:
+            w32 = ptr_f32(w_addr)
+            for j in range(n):
+                buf[j] = buf[j] * rstd
+                dw[j] += g[j] * buf[j]
+                g[j] = g[j] * w32[j]
+        mean_dot = _dot(g, buf, n, zero) / width
+        for j in range(n):
+            g[j] = rstd * (g[j] - buf[j] * mean_dot)
+        if dro_addr != 0:
+            load_row(dro_addr, row * dro_stride, dro_code, g, n, True)
+        store_row(dx_addr, row * dx_stride, x_code, g, n)
+        if dres_addr != 0:
+            store_row(dres_addr, row * dres_stride, res_code, g, n)
+
+
+@kernel()
+def backward_share(
+    t, nthreads, rows, n, block_rows, scratch, partials,
+    dy_addr, dy_stride, x_addr, x_stride, x_code, res_addr, res_stride, res_code,
+    w_addr, rstd_addr, dro_addr, dro_stride, dro_code,
+    dx_addr, dx_stride, dres_addr, dres_stride, round_first,
+):
+    """Thread ``t``'s share of the backward's first phase: its consecutive run of the fixed row
+    blocks (fixed by ``(rows, block_rows)``; threads only decide who computes which block), with its
+    own scratch row."""
+    nblocks = partials.shape[0]
+    buf = scratch[t, :n]
+    g = scratch[t, n:]
+    for b in range(nblocks * t // nthreads, nblocks * (t + 1) // nthreads):
+        _backward_block(
+            b * block_rows, min(rows, (b + 1) * block_rows), n, buf, g, partials[b],
+            dy_addr, dy_stride, x_addr, x_stride, x_code, res_addr, res_stride, res_code,
+            w_addr, rstd_addr, dro_addr, dro_stride, dro_code,
+            dx_addr, dx_stride, dres_addr, dres_stride, round_first,
+        )
+
+
+@njit(inline="always")
+def _column_total(partials, j):
+    """Column ``j`` of the partials summed over the blocks in block order."""
+    total = partials[0, j]
+    for b in range(1, partials.shape[0]):
+        total += partials[b, j]
+    return total
+
+
+@kernel()
+def _dweight_columns(partials, dw_addr, j0, j1):
+    """dweight[j0:j1] (at ``dw_addr``, the partials' dtype), each column summed over the blocks in
+    block order: deterministic dweight. Written in place: the tensor's memory, not a copy."""
+    if partials.itemsize == 8:
+        out64 = ptr_f64(dw_addr)
+        for j in range(j0, j1):
+            out64[j] = _column_total(partials, j)
+    else:
+        out32 = ptr_f32(dw_addr)
+        for j in range(j0, j1):
+            out32[j] = _column_total(partials, j)
+
+
+# backward_share's argument types by compute dtype (x64).
+BACKWARD_SHARE_SIGNATURES = {
+    x64: (I64,) * 5 + (ROWS[x64],) * 2 + (I64,) * 17 + (types.boolean,) for x64 in (False, True)
+}
+_call_backward_share = by_address(*BACKWARD_SHARE_SIGNATURES.values())
+
+
+@kernel(parallel=True)
+def backward_kernel(
+    share_kernel, rows, n, block_rows, scratch, partials, dw_addr,
+    dy_addr, dy_stride, x_addr, x_stride, x_code, res_addr, res_stride, res_code,
+    w_addr, rstd_addr, dro_addr, dro_stride, dro_code,
+    dx_addr, dx_stride, dres_addr, dres_stride, round_first,
+):
+    # share_kernel: backward_share's address for this scratch dtype (as in forward_parallel).
+    nthreads = scratch.shape[0]
+    for t in prange(nthreads):
+        # t as int64: prange's index is uint64, the serial kernel's int64 (one signature).
+        _call_backward_share(share_kernel, (
+            np.int64(t), nthreads, rows, n, block_rows, scratch, partials,
+            dy_addr, dy_stride, x_addr, x_stride, x_code, res_addr, res_stride, res_code,
+            w_addr, rstd_addr, dro_addr, dro_stride, dro_code,
+            dx_addr, dx_stride, dres_addr, dres_stride, round_first,
+        ))
+    for t in prange(nthreads):
+        _dweight_columns(partials, dw_addr, n * t // nthreads, n * (t + 1) // nthreads)
+
+
+@kernel()
+def backward_serial(
+    rows, n, block_rows, scratch, partials, dw_addr,
+    dy_addr, dy_stride, x_addr, x_stride, x_code, res_addr, res_stride, res_code,
+    w_addr, rstd_addr, dro_addr, dro_stride, dro_code,
+    dx_addr, dx_stride, dres_addr, dres_stride, round_first,
+):
+    """``backward_kernel`` on the calling thread: one share holding every block, then every
+    column, so the same bits, with no launch on numba's pool (a forked child must not touch a GNU
+    OpenMP pool that ran in its parent; and one thread gains nothing from a launch)."""
+    backward_share(
+        I0, I0 + 1, rows, n, block_rows, scratch, partials,
+        dy_addr, dy_stride, x_addr, x_stride, x_code, res_addr, res_stride, res_code,
+        w_addr, rstd_addr, dro_addr, dro_stride, dro_code,
+        dx_addr, dx_stride, dres_addr, dres_stride, round_first,
+    )
+    _dweight_columns(partials, dw_addr, I0, n)

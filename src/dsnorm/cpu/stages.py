@@ -1,0 +1,205 @@
+"""Row stages: a row moved between memory and ``buf``, the kernel's scratch row in the compute
+dtype, widened on the way in and rounded once on the way out.
+
+Each stage branches on the dtype code outside its loop, so that every loop is a plain one LLVM
+vectorises; all are inlined into the kernels that call them.
+"""
+
+from __future__ import annotations
+
+import numba
+from numba import njit
+
+from dsnorm.cpu.intrinsics import (
+    BF16,
+    F16,
+    F32,
+    bf16_to_f32,
+    f16_bits_to_f32,
+    f32_to_bf16,
+    f32_to_f16_bits,
+    ptr_f32,
+    ptr_f64,
+    ptr_u16,
+    round_to,
+)
+
+
+@njit(inline="always")
+def load_row(addr, offset, code, buf, n, accumulate):
+    """buf[:n] (+)= row widened to the compute dtype."""
+    if code == BF16:
+        p16 = ptr_u16(addr)
+        if accumulate:
+            for j in range(n):
+                buf[j] += bf16_to_f32(p16[offset + j])
+        else:
+            for j in range(n):
+                buf[j] = bf16_to_f32(p16[offset + j])
+    elif code == F16:
+        p16 = ptr_u16(addr)
+        if accumulate:
+            for j in range(n):
+                buf[j] += f16_bits_to_f32(p16[offset + j])
+        else:
+            for j in range(n):
+                buf[j] = f16_bits_to_f32(p16[offset + j])
+    elif code == F32:
+        p32 = ptr_f32(addr)
+        if accumulate:
+            for j in range(n):
+                buf[j] += p32[offset + j]
+        else:
+            for j in range(n):
+                buf[j] = p32[offset + j]
+    else:
+        p64 = ptr_f64(addr)
+        if accumulate:
+            for j in range(n):
+                buf[j] += p64[offset + j]
+        else:
+            for j in range(n):
+                buf[j] = p64[offset + j]
+
+
+@njit(inline="always")
+def store_row(addr, offset, code, buf, n):
+    """row = buf[:n] rounded to the dtype ``code``."""
+    if code == BF16:
+        p16 = ptr_u16(addr)
+        for j in range(n):
+            p16[offset + j] = f32_to_bf16(numba.float32(buf[j]))
+    elif code == F16:
+        p16 = ptr_u16(addr)
+        for j in range(n):
+            p16[offset + j] = f32_to_f16_bits(numba.float32(buf[j]))
+    elif code == F32:
+        p32 = ptr_f32(addr)
+        for j in range(n):
+            p32[offset + j] = buf[j]
+    else:
+        p64 = ptr_f64(addr)
+        for j in range(n):
+            p64[offset + j] = buf[j]
+
+
+@njit(inline="always")
+def round_row(buf, n, code):
+    """buf[:n] = buf rounded to ``code`` and widened again (round_first)."""
+    if code == BF16:
+        for j in range(n):
+            buf[j] = bf16_to_f32(f32_to_bf16(numba.float32(buf[j])))
+    elif code == F16:
+        for j in range(n):
+            buf[j] = f16_bits_to_f32(f32_to_f16_bits(numba.float32(buf[j])))
+    elif code == F32:
+        for j in range(n):
+            buf[j] = numba.float32(buf[j])
+
+
+@njit(inline="always")
+def _load_add_store_row(x_addr, x_off, r_addr, r_off, o_addr, o_off, code, buf, n, round_first):
+    """The common fused case in one loop, all three rows of one dtype: buf = x + r (rounded to
+    ``code`` first for round_first), residual_out = buf rounded to ``code``."""
+    if code == BF16 and o_addr == r_addr and o_off == r_off:
+        # In place: one pointer for the residual's read and write, so LLVM sees the same address
+        # (distance 0) and vectorises; two pointers to the same row fail its runtime overlap check
+        # and drop to the scalar loop.
+        pr = ptr_u16(r_addr)
+        px = ptr_u16(x_addr)
+        for j in range(n):
+            v = bf16_to_f32(px[x_off + j]) + bf16_to_f32(pr[r_off + j])
+            bits = f32_to_bf16(v)
+            pr[r_off + j] = bits
+            buf[j] = bf16_to_f32(bits) if round_first else v
+    elif code == BF16:
+        px = ptr_u16(x_addr)
+        pr = ptr_u16(r_addr)
+        po = ptr_u16(o_addr)
+        for j in range(n):
+            v = bf16_to_f32(px[x_off + j]) + bf16_to_f32(pr[r_off + j])
+            bits = f32_to_bf16(v)
+            po[o_off + j] = bits
+            buf[j] = bf16_to_f32(bits) if round_first else v
+    elif code == F16:
+        hx = ptr_u16(x_addr)
+        hr = ptr_u16(r_addr)
+        ho = ptr_u16(o_addr)
+        for j in range(n):
+            v = f16_bits_to_f32(hx[x_off + j]) + f16_bits_to_f32(hr[r_off + j])
+            bits = f32_to_f16_bits(v)
+            ho[o_off + j] = bits
+            buf[j] = f16_bits_to_f32(bits) if round_first else v
+    elif code == F32:
+        fx = ptr_f32(x_addr)
+        fr = ptr_f32(r_addr)
+        fo = ptr_f32(o_addr)
+        for j in range(n):
+            v = fx[x_off + j] + fr[r_off + j]
+            fo[o_off + j] = v
+            buf[j] = v
+    else:
+        dx = ptr_f64(x_addr)
+        dr = ptr_f64(r_addr)
+        do = ptr_f64(o_addr)
+        for j in range(n):
+            v = dx[x_off + j] + dr[r_off + j]
+            do[o_off + j] = v
+            buf[j] = v
+
+
+@njit(inline="always")
+def store_scaled_row(addr, offset, code, buf, w_addr, rstd, n, cast_hf):
+    """row = (w * (buf * rstd)) rounded once to ``code``; Hugging Face order with ``cast_hf``."""
+    if code == BF16:
+        wb = ptr_f32(w_addr)
+        pb = ptr_u16(addr)
+        if cast_hf:
+            for j in range(n):
+                pb[offset + j] = f32_to_bf16(round_to(wb[j], BF16) * round_to(buf[j] * rstd, BF16))
+        else:
+            for j in range(n):
+                pb[offset + j] = f32_to_bf16(wb[j] * (buf[j] * rstd))
+    elif code == F16:
+        wh = ptr_f32(w_addr)
+        ph = ptr_u16(addr)
+        if cast_hf:
+            for j in range(n):
+                ph[offset + j] = f32_to_f16_bits(round_to(wh[j], F16) * round_to(buf[j] * rstd, F16))
+        else:
+            for j in range(n):
+                ph[offset + j] = f32_to_f16_bits(wh[j] * (buf[j] * rstd))
+    elif code == F32:
+        wf = ptr_f32(w_addr)
+        pf = ptr_f32(addr)
+        for j in range(n):
+            pf[offset + j] = wf[j] * (buf[j] * rstd)
+    else:
+        wd = ptr_f64(w_addr)
+        pd = ptr_f64(addr)
+        for j in range(n):
+            pd[offset + j] = wd[j] * (buf[j] * rstd)
+
+
+@njit(inline="always")
+def load_span(
+    lo, hi, buf, row, x_addr, x_stride, x_code, res_addr, res_stride, res_code,
+    rout_addr, rout_stride, rout_code, round_first, fused_one_dtype,
+):
+    """Elements [lo, hi) of a row: s = x (+ residual) into buf, residual_out stored."""
+    span = buf[lo:hi]
+    m = hi - lo
+    if res_addr == 0:
+        load_row(x_addr, row * x_stride + lo, x_code, span, m, False)
+    elif fused_one_dtype:
+        _load_add_store_row(
+            x_addr, row * x_stride + lo, res_addr, row * res_stride + lo, rout_addr, row * rout_stride + lo,
+            x_code, span, m, round_first,
+        )
+    else:
+        load_row(x_addr, row * x_stride + lo, x_code, span, m, False)
+        load_row(res_addr, row * res_stride + lo, res_code, span, m, True)
+        if round_first:
+            round_row(span, m, x_code)
+        if rout_addr != 0:
+            store_row(rout_addr, row * rout_stride + lo, rout_code, span, m)
