@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     import triton
     from triton.testing import do_bench
 
-    from dsnorm.bench import graph_replay_time
+    from dsnorm.bench.timing import graph_replay_time
     from dsnorm.triton import launch
 
     real_config, real_bwd_config, real_threads = launch.config, launch.backward_config, launch.BWD_PROGRAM_THREADS
