@@ -18,7 +18,7 @@ from dsnorm.bench.plot import plot_png
 from dsnorm.bench.providers import find_vllm_so
 from dsnorm.bench.registry import PROVIDERS
 from dsnorm.bench.report import format_table
-from dsnorm.sites import output_path_problem, same_file, write_output
+from dsnorm.output_files import output_path_problem, same_file, write_output
 
 # How long `dsnorm bench` waits at most, by default, for other work on the CPUs to stop (--settle).
 SETTLE_S = 30.0
