@@ -380,7 +380,7 @@ def fwd_bwd_runner(name, op, x, r, w, dy):
 def decode_latency(quick: bool):
     import torch
 
-    from dsnorm.bench import graph_replay_time
+    from dsnorm.bench.timing import graph_replay_time
     from dsnorm.triton import launch
 
     x, r, w, _ = make_inputs(1, 7168, None, seed=3)

@@ -7,10 +7,11 @@ About 40 s on an H200 (37 s measured with Triton 3.6).
 For the DeepSeek shapes (bf16; N in 7168, 1536, 512-of-576; decode M=1 and 64, prefill M=16384)
 it times the forward (fused and plain) with every ``num_warps`` in 1..32 that covers the row, and
 at prefill the backward (fused at every width, plain at 7168) with prefetch off and on, each with
-1-3 software-pipelining stages, then with its programs' thread budget (``BWD_PROGRAM_THREADS`` /
+1-3 software-pipelining stages (benchmarks/bwd_stages.py's launch: the library's backward is not
+pipelined), then with its programs' thread budget (``BWD_PROGRAM_THREADS`` /
 ``BWD_PROGRAM_THREADS_WIDE``) and ``num_warps`` varied, by overriding ``launch.config`` /
-``launch.backward_config`` / those budgets / ``launch.BWD_PREFETCH`` / ``launch.BWD_NUM_STAGES`` for the sweep
-only (plus the fused forward in fp32 at [16384, 7168]).
+``launch.backward_config`` / those budgets / ``launch.BWD_PREFETCH`` for the sweep only (plus the
+fused forward in fp32 at [16384, 7168]).
 Prefill and backward: median of ``triton.testing.do_bench`` (L2 flushed), GB/s from the byte model
 of benchmarks/gpu.py. Decode: microseconds per call replayed from a CUDA graph of 200 calls, where
 launch overhead is gone and what is left is the kernel's latency. The row marked ``*`` is what the
@@ -39,13 +40,14 @@ def main(argv=None) -> int:
     import triton
     from triton.testing import do_bench
 
-    from dsnorm.bench import graph_replay_time
+    from dsnorm.bench.timing import graph_replay_time
     from dsnorm.triton import launch
+
+    import bwd_stages  # benchmarks/bwd_stages.py, beside this script: the pipelined backward
 
     real_config, real_bwd_config, real_threads = launch.config, launch.backward_config, launch.BWD_PROGRAM_THREADS
     real_wide_threads = launch.BWD_PROGRAM_THREADS_WIDE
     real_prefetch, real_min_block = launch.BWD_PREFETCH, launch.BWD_PREFETCH_MIN_BLOCK
-    real_stages = launch.BWD_NUM_STAGES
     rows = []
 
     def inputs(m, n, parent=None):
@@ -111,26 +113,27 @@ def main(argv=None) -> int:
             dx, dw = torch.empty_like(y), torch.empty(n, device="cuda")
             dr = torch.empty_like(y) if fused else None
 
-            def bwd():
-                launch.backward(dy, x, res, w, rstd, None, False, dx, dr, dw)
+            def bwd(stages=1):
+                if stages == 1:  # the library's backward
+                    launch.backward(dy, x, res, w, rstd, None, False, dx, dr, dw)
+                else:
+                    bwd_stages.backward(dy, x, res, w, rstd, None, False, dx, dr, dw, stages)
 
             bwd_block, bwd_warps, _ = real_bwd_config(n, torch.bfloat16, fused)
             picked_prefetch = real_prefetch and bwd_block >= real_min_block
             picked_threads = launch.BWD_PROGRAM_THREADS_WIDE if bwd_block >= launch.BWD_WIDE_BLOCK else real_threads
-            picked_stages = launch.backward_stages(bwd_block,
-                                                   [torch.bfloat16] * (3 if fused else 2))
+            picked_stages = 1  # the library's backward is not pipelined
             variants = [(bwd_warps, stages, prefetch) for stages in (1, 2, 3) for prefetch in (False, True)]
             if n == 7168 and bwd_warps < 32:  # 32 warps hold 64 registers a thread: pipelined rows instead of prefetched ones
                 variants += [(2 * bwd_warps, 3, False), (2 * bwd_warps, 3, True)]
             for warps, stages, prefetch in variants:
                 launch.BWD_PREFETCH, launch.BWD_PREFETCH_MIN_BLOCK = prefetch, 1
-                launch.BWD_NUM_STAGES = stages
                 launch.backward_config = with_warps(real_bwd_config, warps)
                 try:
-                    us = do_bench(bwd, warmup=10, rep=50, return_mode="median") * 1e3
+                    us = do_bench(lambda: bwd(stages), warmup=10, rep=50, return_mode="median") * 1e3
                 finally:
                     launch.BWD_PREFETCH, launch.BWD_PREFETCH_MIN_BLOCK = real_prefetch, real_min_block
-                    launch.BWD_NUM_STAGES, launch.backward_config = real_stages, real_bwd_config
+                    launch.backward_config = real_bwd_config
                 record(kind, m, n, f"warps={warps} prefetch={prefetch} stages={stages}", us, nbytes,
                        warps == bwd_warps and prefetch == picked_prefetch and stages == picked_stages)
             for threads in (1 << 17, 1 << 18, 1 << 19):

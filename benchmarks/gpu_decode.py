@@ -188,7 +188,8 @@ def main(argv=None) -> int:
         print("benchmarks/gpu_decode.py: no CUDA device", file=sys.stderr)
         return 2
 
-    from dsnorm.bench import graph_replay_time, ulp_distance
+    from dsnorm.bench.timing import graph_replay_time
+    from dsnorm.bench.verify import ulp_distance
     from dsnorm.triton import kernels, launch
 
     variants = make_variants(kernels)

@@ -168,3 +168,15 @@ def require_extra(module: str, extra: str):
     if extra in REQUIRED_EXTRAS:
         return __import__("importlib").import_module(module)
     return pytest.importorskip(module, reason=f"needs the {extra!r} extra: pip install 'dsnorm[{extra}]'")
+
+
+def load_benchmark(name: str):
+    """``benchmarks/<name>.py`` as a module, loaded by its path (benchmarks/ is not a package)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

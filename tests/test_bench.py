@@ -17,7 +17,53 @@ import torch
 
 from conftest import max_ulp
 import dsnorm
-from dsnorm import bench, contention, fusions
+from dsnorm import contention, fusions
+from dsnorm.bench import harness, providers
+from dsnorm.bench.cases import (
+    DECODE_BATCHES,
+    HIDDEN,
+    INPUT_SEED,
+    KV_LORA,
+    KV_ROW,
+    QUICK_TOKENS,
+    Q_LORA,
+    Case,
+    case_bytes,
+    default_cases,
+    make_inputs,
+)
+from dsnorm.bench.harness import (
+    JSON_CASE_KEYS,
+    JSON_PROVIDER_KEYS,
+    JSON_TOP_KEYS,
+    Progress,
+    _Context,
+    _mark_failures,
+    bench,
+    run_fusion_case,
+)
+from dsnorm.bench.plot import plot_bars, plot_png
+from dsnorm.bench.providers import (
+    COMPILED,
+    COMPOSITION,
+    DSNORM,
+    FLOOR,
+    REFERENCE,
+    VLLM,
+    InputPool,
+    Runner,
+    find_vllm_so,
+)
+from dsnorm.bench.report import CONTENDED_MARK, NOISY_MARK, format_table
+from dsnorm.bench.timing import QUICK, Settings, measure, settle
+from dsnorm.bench.verify import (
+    _outputs_equal,
+    compare,
+    fidelity_criterion,
+    fusion_fidelity_ok,
+    meets_fidelity,
+    ulp_distance,
+)
 from dsnorm.cli import main
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -49,7 +95,7 @@ def test_quick_run_exit_status_and_table(quick):
 
 def test_json_keys_and_types(quick):
     d = quick["json"]
-    for key in bench.JSON_TOP_KEYS:
+    for key in JSON_TOP_KEYS:
         assert key in d
     m = d["machine"]
     assert isinstance(m["cpu"], str) and m["cpu"]
@@ -61,13 +107,13 @@ def test_json_keys_and_types(quick):
     assert isinstance(d["cases"], list) and d["cases"]
     # What the numbers came from: the repetition settings, the input seed, the run's filters, and
     # the thread pool dsnorm's kernels ran on.
-    assert d["settings"] == dataclasses.asdict(bench.QUICK) and d["input_seed"] == bench.INPUT_SEED
+    assert d["settings"] == dataclasses.asdict(QUICK) and d["input_seed"] == INPUT_SEED
     assert d["filters"] == {"cases": None, "providers": None}
     import numba
     assert m["numba_threads"] == numba.config.NUMBA_NUM_THREADS
     assert m["numba_threading_layer"] == numba.threading_layer()
     for case in d["cases"]:
-        for key in bench.JSON_CASE_KEYS:
+        for key in JSON_CASE_KEYS:
             assert key in case
         assert set(case["dsnorm_speedup_noisy"]) == set(case["dsnorm_speedup"])
         assert all(isinstance(v, bool) for v in case["dsnorm_speedup_noisy"].values())
@@ -76,10 +122,10 @@ def test_json_keys_and_types(quick):
         assert case["form"] in ("plain", "fused", "in-place")
         assert isinstance(case["providers"], list) and case["providers"]
         for p in case["providers"]:
-            for key in bench.JSON_PROVIDER_KEYS:
+            for key in JSON_PROVIDER_KEYS:
                 assert key in p, (case["name"], p["name"], key)
             assert isinstance(p["name"], str)
-            if p["name"] == bench.COMPILED:
+            if p["name"] == COMPILED:
                 assert "compile_s" in p
             if not p["available"]:
                 assert isinstance(p["reason"], str) and p["reason"]
@@ -107,18 +153,18 @@ def test_cases_cover_every_site_and_form(quick):
     forms = {c["form"] for c in cases}
     assert forms == {"plain", "fused", "in-place"}
     shapes = {tuple(c["shape"]) for c in cases}
-    for b in bench.DECODE_BATCHES:
-        assert (b, 1, bench.HIDDEN) in shapes
-        assert (b, 1, bench.Q_LORA) in shapes
-        assert (b, 1, bench.KV_LORA) in shapes
-    assert (1, bench.QUICK_TOKENS, bench.HIDDEN) in shapes
-    assert (64, bench.HIDDEN) in shapes and (1, bench.Q_LORA) in shapes
+    for b in DECODE_BATCHES:
+        assert (b, 1, HIDDEN) in shapes
+        assert (b, 1, Q_LORA) in shapes
+        assert (b, 1, KV_LORA) in shapes
+    assert (1, QUICK_TOKENS, HIDDEN) in shapes
+    assert (64, HIDDEN) in shapes and (1, Q_LORA) in shapes
     kv = [c for c in cases if c["site"] == "kv_norm"]
     assert kv and all("576" in c["layout"] for c in kv)
     # The floor row is on every decode case, and only there.
     for c in cases:
         names = [p["name"] for p in c["providers"]]
-        assert (bench.FLOOR in names) == ("decode" in c["name"] and c["form"] != "in-place")
+        assert (FLOOR in names) == ("decode" in c["name"] and c["form"] != "in-place")
 
 
 def test_verification_rows_present_and_dsnorm_passes(quick):
@@ -126,22 +172,22 @@ def test_verification_rows_present_and_dsnorm_passes(quick):
         if case["site"] == "fusion":  # test_fusion_rows_verified_bitwise
             continue
         rows = {p["name"]: p for p in case["providers"]}
-        ref, ds = rows[bench.REFERENCE], rows[bench.DSNORM]
+        ref, ds = rows[REFERENCE], rows[DSNORM]
         # The reference verified against itself: the comparison machinery sees identity as exact.
         assert ref["max_ulp"] == 0 and ref["pct_bitwise"] == 100.0
         assert ds["fidelity_ok"] is True, (case["name"], ds)
         if case["form"] != "plain":
             assert ds["residual_bitwise"] is True
-        if bench.fidelity_criterion("cpu", case["shape"][-1]) == 0:
+        if fidelity_criterion("cpu", case["shape"][-1]) == 0:
             assert ds["max_ulp"] == 0 and ds["pct_bitwise"] == 100.0
-        assert case["dsnorm_speedup"][bench.REFERENCE] > 0
+        assert case["dsnorm_speedup"][REFERENCE] > 0
 
 
 def test_quick_skips_torch_compile_with_reason(quick):
     for case in quick["json"]["cases"]:
         if case["site"] == "fusion":  # a fusion is timed against its eager composition only
             continue
-        row = next(p for p in case["providers"] if p["name"] == bench.COMPILED)
+        row = next(p for p in case["providers"] if p["name"] == COMPILED)
         assert row["available"] is False and row["reason"]
 
 
@@ -161,7 +207,7 @@ def _flip_bit(t: torch.Tensor, bit: int) -> torch.Tensor:
 def test_faulty_dsnorm_fails_the_run(monkeypatch, tmp_path, target, case_name):
     """A dsnorm whose output is off (y by 8 ulps, or the residual by one bit) is marked FAIL and
     makes the exit status 1, whichever fidelity rule applies."""
-    real = bench._dsnorm_callable
+    real = providers._dsnorm_callable
 
     def faulty(case, inp):
         fn, args, outputs = real(case, inp)
@@ -174,7 +220,7 @@ def test_faulty_dsnorm_fails_the_run(monkeypatch, tmp_path, target, case_name):
 
         return fn, args, bad_outputs
 
-    monkeypatch.setattr(bench, "_dsnorm_callable", faulty)
+    monkeypatch.setattr(providers, "_dsnorm_callable", faulty)
     path = tmp_path / "bad.json"
     rc, out, _ = run_cli(["bench", "--settle", "0", "--quick", "--cases", case_name, "--providers", "none", "--json", str(path)])
     assert rc == 1
@@ -182,7 +228,7 @@ def test_faulty_dsnorm_fails_the_run(monkeypatch, tmp_path, target, case_name):
     d = json.loads(path.read_text())
     assert d["fidelity_ok"] is False
     (case,) = d["cases"]
-    row = next(p for p in case["providers"] if p["name"] == bench.DSNORM)
+    row = next(p for p in case["providers"] if p["name"] == DSNORM)
     assert row["fidelity_ok"] is False
     if target == "y":
         assert row["max_ulp"] == 8 and row["pct_bitwise"] < 100
@@ -190,7 +236,7 @@ def test_faulty_dsnorm_fails_the_run(monkeypatch, tmp_path, target, case_name):
         assert row["residual_bitwise"] is False and row["max_ulp"] == 0
     # Red only where the table goes to a terminal; the textual marker always.
     assert "\033[" not in out
-    colored = [line for line in bench.format_table(d, color=True).splitlines() if "FAIL" in line]
+    colored = [line for line in format_table(d, color=True).splitlines() if "FAIL" in line]
     assert colored and all(line.startswith("\033[31m") for line in colored)
 
 
@@ -207,7 +253,7 @@ def test_inplace_is_verified_in_the_buffers_it_writes(monkeypatch):
 def test_a_warm_call_is_verified_too(monkeypatch):
     """The timed calls are warm ones (dsnorm's module takes its fast lane from its second call on):
     a dsnorm right only on its first call fails the run."""
-    real = bench._dsnorm_callable
+    real = providers._dsnorm_callable
 
     def right_once(case, inp):
         fn, args, outputs = real(case, inp)
@@ -220,7 +266,7 @@ def test_a_warm_call_is_verified_too(monkeypatch):
 
         return fn, args, later_wrong
 
-    monkeypatch.setattr(bench, "_dsnorm_callable", right_once)
+    monkeypatch.setattr(providers, "_dsnorm_callable", right_once)
     rc, out, _ = run_cli(["bench", "--settle", "0", "--quick", "--cases", "q_norm decode B=1", "--providers", "none"])
     assert rc == 1 and "FAIL" in out
 
@@ -228,18 +274,18 @@ def test_a_warm_call_is_verified_too(monkeypatch):
 def test_verification_refuses_missing_outputs_and_other_shapes():
     a = torch.randn(2, 3, dtype=torch.bfloat16)
     with pytest.raises(ValueError):
-        bench.compare(a, a.reshape(3, 2))  # a dsnorm output of the wrong shape
-    assert bench.compare(a, a.reshape(3, 2), reshape=True)["pct_bitwise"] == 100.0  # a peer's layout
+        compare(a, a.reshape(3, 2))  # a dsnorm output of the wrong shape
+    assert compare(a, a.reshape(3, 2), reshape=True)["pct_bitwise"] == 100.0  # a peer's layout
     with pytest.raises(ValueError, match="1 outputs where the reference gives 2"):
-        bench._outputs_equal((a,), (a, a), "plain")
+        _outputs_equal((a,), (a, a), "plain")
     zeros = torch.zeros(4, dtype=torch.bfloat16)
-    eq = bench._outputs_equal((zeros,), (-zeros,), "plain", normed=(0,))
+    eq = _outputs_equal((zeros,), (-zeros,), "plain", normed=(0,))
     assert eq["max_ulp"] == 0 and eq["outputs_bitwise"] is False and eq["pct_bitwise"] == 0.0
-    assert not bench.fusion_fidelity_ok(eq, "cpu") and bench.fusion_fidelity_ok(eq, "cuda")
-    off = bench._outputs_equal((_flip_bit(a, 1), a), (a, a), "fused", normed=(0,))
-    assert off["normed_max_ulp"] == 2 and not bench.fusion_fidelity_ok(off, "cuda")  # y held to 1 ulp on GPU
-    codes = bench._outputs_equal((_flip_bit(a, 1), a), (a, a), "fused", normed=())
-    assert bench.fusion_fidelity_ok(codes, "cuda")  # fp8 codes/scales: reported only
+    assert not fusion_fidelity_ok(eq, "cpu") and fusion_fidelity_ok(eq, "cuda")
+    off = _outputs_equal((_flip_bit(a, 1), a), (a, a), "fused", normed=(0,))
+    assert off["normed_max_ulp"] == 2 and not fusion_fidelity_ok(off, "cuda")  # y held to 1 ulp on GPU
+    codes = _outputs_equal((_flip_bit(a, 1), a), (a, a), "fused", normed=())
+    assert fusion_fidelity_ok(codes, "cuda")  # fp8 codes/scales: reported only
 
 
 def test_a_provider_that_raises_while_timed_is_dropped_not_fatal():
@@ -250,15 +296,15 @@ def test_a_provider_that_raises_while_timed_is_dropped_not_fatal():
         if len(calls) == 4:
             raise RuntimeError("peer broke")
 
-    good = bench.Runner("good", "peer", lambda: None, lambda: ())
-    bad = bench.Runner("bad", "peer", flaky, lambda: ())
-    s = bench.Settings(budget_s=60.0, min_reps=6, max_reps=6, warmup=1, rounds=2, copy_mb=1, copy_reps=1)
+    good = Runner("good", "peer", lambda: None, lambda: ())
+    bad = Runner("bad", "peer", flaky, lambda: ())
+    s = Settings(budget_s=60.0, min_reps=6, max_reps=6, warmup=1, rounds=2, copy_mb=1, copy_reps=1)
     failures = {}
-    res = bench.measure([good, bad], s, torch.device("cpu"), failures)
+    res = measure([good, bad], s, torch.device("cpu"), failures)
     assert set(res) == {"good"} and res["good"][1] == 6 and "peer broke" in failures["bad"]
     calls.clear()
     with pytest.raises(RuntimeError, match="peer broke"):  # without a failures dict it propagates
-        bench.measure([bad], s, torch.device("cpu"))
+        measure([bad], s, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -301,8 +347,8 @@ def test_output_onto_an_installed_vllm_extension_exits_2(tmp_path, monkeypatch):
     spec = importlib.machinery.ModuleSpec("vllm", None, is_package=True)
     spec.submodule_search_locations = [str(package)]
     monkeypatch.delenv("DSNORM_VLLM_SO", raising=False)
-    monkeypatch.setattr(bench.importlib.util, "find_spec", lambda name: spec if name == "vllm" else None)
-    assert bench.find_vllm_so() == (str(so), None)
+    monkeypatch.setattr(providers.importlib.util, "find_spec", lambda name: spec if name == "vllm" else None)
+    assert find_vllm_so() == (str(so), None)
     rc, _, err = run_cli(["bench", "--settle", "0", "--quick", "--cases", "q_norm decode B=1", "--json", str(so)])
     assert rc == 2 and "the vLLM extension" in err and so.read_bytes() == b"not an extension"
 
@@ -316,7 +362,7 @@ def test_missing_or_broken_vllm_is_reported_not_fatal(tmp_path):
                             "--vllm-so", str(so), "--json", str(path)])
         assert rc == 0
         (case,) = json.loads(path.read_text())["cases"]
-        row = next(p for p in case["providers"] if p["name"] == bench.VLLM)
+        row = next(p for p in case["providers"] if p["name"] == VLLM)
         assert row["available"] is False and reason in row["reason"]
 
 
@@ -324,9 +370,9 @@ def test_find_vllm_so_order(tmp_path, monkeypatch):
     so = tmp_path / "x.so"
     so.write_bytes(b"")
     monkeypatch.setenv("DSNORM_VLLM_SO", str(so))
-    assert bench.find_vllm_so() == (str(so), None)
+    assert find_vllm_so() == (str(so), None)
     # The explicit option wins over the environment.
-    path, why = bench.find_vllm_so(str(tmp_path / "other.so"))
+    path, why = find_vllm_so(str(tmp_path / "other.so"))
     assert path is None and "--vllm-so" in why
 
 
@@ -376,7 +422,7 @@ def test_ulp_distance_agrees_with_an_independent_count():
         b = (a.float() * (1 + 1e-2 * torch.randn(4096, generator=g))).to(dtype)
         b[:5] = torch.tensor([0.0, -0.0, 1.0, -1.0, 3.0]).to(dtype)
         a[:5] = torch.tensor([-0.0, 0.0, -1.0, -1.0, 3.0]).to(dtype)
-        d = bench.ulp_distance(a, b)
+        d = ulp_distance(a, b)
         assert int(d.max()) == max_ulp(a, b)
         for i in range(0, 4096, 97):
             assert int(d[i]) == max_ulp(a[i:i + 1], b[i:i + 1])
@@ -386,25 +432,25 @@ def test_ulp_distance_agrees_with_an_independent_count():
 def test_ulp_distance_small_cases():
     one = torch.tensor([1.0], dtype=torch.bfloat16)
     nxt = torch.nextafter(one.float(), torch.tensor([2.0])).to(torch.bfloat16)  # rounds to 1.0
-    assert int(bench.ulp_distance(one, nxt)) == 0
+    assert int(ulp_distance(one, nxt)) == 0
     above = (one.view(torch.int16) + 1).view(torch.bfloat16)
-    assert int(bench.ulp_distance(one, above)) == 1
+    assert int(ulp_distance(one, above)) == 1
     tiny = torch.tensor([1], dtype=torch.int16).view(torch.bfloat16)  # smallest positive subnormal
-    assert int(bench.ulp_distance(tiny, -tiny)) == 2
+    assert int(ulp_distance(tiny, -tiny)) == 2
     nan = torch.tensor([float("nan")], dtype=torch.bfloat16)
-    assert int(bench.ulp_distance(nan, nan)) == 0
-    assert int(bench.ulp_distance(nan, one)) > 1 << 40
+    assert int(ulp_distance(nan, nan)) == 0
+    assert int(ulp_distance(nan, one)) > 1 << 40
 
 
 def test_compare_reports_residual_and_share():
     y = torch.randn(10, 16).bfloat16()
     r = torch.randn(10, 16).bfloat16()
-    v = bench.compare(y, y, r, r)
+    v = compare(y, y, r, r)
     assert v == {"residual_bitwise": True, "max_ulp": 0, "pct_bitwise": 100.0}
     y2 = _flip_bit(y, 1)
-    v = bench.compare(y2, y, _flip_bit(r, 0), r)
+    v = compare(y2, y, _flip_bit(r, 0), r)
     assert v["residual_bitwise"] is False and v["max_ulp"] == 2 and v["pct_bitwise"] == pytest.approx(99.375)
-    assert bench.compare(y, y)["residual_bitwise"] is None
+    assert compare(y, y)["residual_bitwise"] is None
 
 
 def test_fidelity_rule():
@@ -412,41 +458,41 @@ def test_fidelity_rule():
     import platform
 
     x86 = platform.machine().lower() in ("x86_64", "amd64")
-    assert bench.fidelity_criterion("cpu", 7168) == (0 if x86 and cap in ("AVX2", "AVX512", "DEFAULT") else 1)
-    assert bench.fidelity_criterion("cpu", 16385) == 1
-    assert bench.fidelity_criterion("cuda", 7168) == 1
+    assert fidelity_criterion("cpu", 7168) == (0 if x86 and cap in ("AVX2", "AVX512", "DEFAULT") else 1)
+    assert fidelity_criterion("cpu", 16385) == 1
+    assert fidelity_criterion("cuda", 7168) == 1
     ok = {"residual_bitwise": True, "max_ulp": 0, "pct_bitwise": 100.0}
-    assert bench.meets_fidelity(ok, "cpu", 7168)
-    if bench.fidelity_criterion("cpu", 7168) == 0:  # bitwise wants every bit: -0 is 0 ulp from +0
-        assert not bench.meets_fidelity(dict(ok, pct_bitwise=99.9), "cpu", 7168)
-    assert not bench.meets_fidelity({"residual_bitwise": False, "max_ulp": 0}, "cuda", 7168)
-    assert bench.meets_fidelity({"residual_bitwise": None, "max_ulp": 1}, "cuda", 7168)
-    assert not bench.meets_fidelity({"residual_bitwise": None, "max_ulp": 2}, "cuda", 7168)
+    assert meets_fidelity(ok, "cpu", 7168)
+    if fidelity_criterion("cpu", 7168) == 0:  # bitwise wants every bit: -0 is 0 ulp from +0
+        assert not meets_fidelity(dict(ok, pct_bitwise=99.9), "cpu", 7168)
+    assert not meets_fidelity({"residual_bitwise": False, "max_ulp": 0}, "cuda", 7168)
+    assert meets_fidelity({"residual_bitwise": None, "max_ulp": 1}, "cuda", 7168)
+    assert not meets_fidelity({"residual_bitwise": None, "max_ulp": 2}, "cuda", 7168)
 
 
 def test_byte_model():
-    plain = bench.Case("p", "q_norm", (64, 1, 1536), "plain")
-    fused = bench.Case("f", "norm", (64, 1, 7168), "fused")
-    inplace = bench.Case("i", "x", (64, 7168), "in-place")
-    kv = bench.Case("k", "kv_norm", (8, 1, 512), "plain", row_stride=576)
-    assert bench.case_bytes(plain) == 2 * 64 * 1536 * 2 + 1536 * 4
-    assert bench.case_bytes(fused) == 4 * 64 * 7168 * 2 + 7168 * 4
-    assert bench.case_bytes(inplace) == bench.case_bytes(fused)
-    assert bench.case_bytes(kv) == 2 * 8 * 512 * 2 + 512 * 4  # only the 512 read columns
-    train = bench.Case("t", "q_norm", (16, 1536), "plain", backward=True)
-    assert bench.case_bytes(train) == 5 * 16 * 1536 * 2 + 2 * 1536 * 4
+    plain = Case("p", "q_norm", (64, 1, 1536), "plain")
+    fused = Case("f", "norm", (64, 1, 7168), "fused")
+    inplace = Case("i", "x", (64, 7168), "in-place")
+    kv = Case("k", "kv_norm", (8, 1, 512), "plain", row_stride=576)
+    assert case_bytes(plain) == 2 * 64 * 1536 * 2 + 1536 * 4
+    assert case_bytes(fused) == 4 * 64 * 7168 * 2 + 7168 * 4
+    assert case_bytes(inplace) == case_bytes(fused)
+    assert case_bytes(kv) == 2 * 8 * 512 * 2 + 512 * 4  # only the 512 read columns
+    train = Case("t", "q_norm", (16, 1536), "plain", backward=True)
+    assert case_bytes(train) == 5 * 16 * 1536 * 2 + 2 * 1536 * 4
 
 
 def test_kv_inputs_are_a_strided_slice():
-    case = next(c for c in bench.default_cases() if c.site == "kv_norm" and c.shape[0] > 1)
-    inp = bench.make_inputs(case, torch.device("cpu"))
+    case = next(c for c in default_cases() if c.site == "kv_norm" and c.shape[0] > 1)
+    inp = make_inputs(case, torch.device("cpu"))
     assert tuple(inp.x.shape) == case.shape and not inp.x.is_contiguous()
-    assert inp.x.stride()[-2] == bench.KV_ROW and inp.gains.dtype == torch.float32
+    assert inp.x.stride()[-2] == KV_ROW and inp.gains.dtype == torch.float32
 
 
 def test_input_pool_hands_out_untouched_sets():
     src = (torch.arange(6.0), torch.ones(6))
-    pool = bench.InputPool(src, max_bytes=1)  # the minimum: two sets
+    pool = InputPool(src, max_bytes=1)  # the minimum: two sets
     assert pool.k == 2
     for _ in range(7):
         x, r = pool.next()
@@ -458,9 +504,9 @@ def test_input_pool_hands_out_untouched_sets():
 
 def test_measure_returns_a_median_per_runner():
     calls = []
-    r = bench.Runner("a", "peer", lambda v: calls.append(v), lambda: (1,))
-    s = bench.Settings(budget_s=60.0, min_reps=5, max_reps=5, warmup=1, rounds=2, copy_mb=1, copy_reps=1)
-    res = bench.measure([r], s, torch.device("cpu"))
+    r = Runner("a", "peer", lambda v: calls.append(v), lambda: (1,))
+    s = Settings(budget_s=60.0, min_reps=5, max_reps=5, warmup=1, rounds=2, copy_mb=1, copy_reps=1)
+    res = measure([r], s, torch.device("cpu"))
     median_s, n, min_s = res["a"]
     assert n == 5 and len(calls) == 6 and 0 <= min_s <= median_s
 
@@ -469,7 +515,7 @@ def test_rows_of_providers_that_raised_while_timed():
     # run_case and run_fusion_case both mark them so: unavailable with the error; dsnorm's fails the run.
     rows = [dict(name=name, role=role, available=True, reason=None, fidelity_ok=True)
             for name, role in (("reference", "reference"), ("vllm", "peer"), ("dsnorm", "dsnorm"))]
-    bench._mark_failures(rows, {"vllm": "raised while timed: X", "dsnorm": "raised while timed: Y"})
+    _mark_failures(rows, {"vllm": "raised while timed: X", "dsnorm": "raised while timed: Y"})
     assert rows[0] == dict(name="reference", role="reference", available=True, reason=None, fidelity_ok=True)
     assert (rows[1]["available"], rows[1]["reason"], rows[1]["fidelity_ok"]) == (False, "raised while timed: X", True)
     assert (rows[2]["available"], rows[2]["reason"], rows[2]["fidelity_ok"]) == (False, "raised while timed: Y", False)
@@ -479,7 +525,7 @@ def test_dsnorm_that_raises_fails_the_run(monkeypatch):
     def raising(case, inp):
         raise RuntimeError("kernel exploded")
 
-    monkeypatch.setattr(bench, "_dsnorm_callable", raising)
+    monkeypatch.setattr(providers, "_dsnorm_callable", raising)
     rc, out, _ = run_cli(["bench", "--settle", "0", "--quick", "--cases", "q_norm decode B=1", "--providers", "none"])
     assert rc == 1
     assert "kernel exploded" in out and "FAIL" in out
@@ -495,9 +541,9 @@ def test_measure_caps_a_provider_that_turns_slow_after_warm_up():
         if len(calls) > 1:
             time.sleep(0.02)
 
-    r = bench.Runner("slow", "peer", fn, lambda: ())
-    s = bench.Settings(budget_s=0.1, min_reps=2, max_reps=1000, warmup=1, rounds=2, copy_mb=1, copy_reps=1)
-    _, n, _ = bench.measure([r], s, torch.device("cpu"))["slow"]
+    r = Runner("slow", "peer", fn, lambda: ())
+    s = Settings(budget_s=0.1, min_reps=2, max_reps=1000, warmup=1, rounds=2, copy_mb=1, copy_reps=1)
+    _, n, _ = measure([r], s, torch.device("cpu"))["slow"]
     # Each round may spend 2 * 0.1 / 2 s, i.e. at most 0.1 / 0.02 + 1 calls.
     assert 2 <= n <= 2 * 6
 
@@ -512,8 +558,8 @@ def test_fusion_rows_verified_bitwise(quick):
         assert ds["outputs_bitwise"] is True and ds["fidelity_ok"] is True and ds["max_ulp"] == 0
         # The composition it is timed against is verified against the reference as well, and is
         # named for what it is.
-        assert base["name"] == bench.COMPOSITION and base["outputs_bitwise"] is True and base["fidelity_ok"] is None
-        assert set(case["dsnorm_speedup"]) == {bench.COMPOSITION}
+        assert base["name"] == COMPOSITION and base["outputs_bitwise"] is True and base["fidelity_ok"] is None
+        assert set(case["dsnorm_speedup"]) == {COMPOSITION}
 
 
 def _flip_first_bit(outputs):
@@ -533,22 +579,22 @@ def test_fusion_rows_are_verified_against_the_reference(wrong):
     if wrong == "both":
         good_baseline = fc["baseline"]
         fc["baseline"] = lambda: _flip_first_bit(good_baseline())
-    ctx = bench._Context(torch.device("cpu"), True, None)
-    out = bench.run_fusion_case(fc, ctx, bench.QUICK, bench.Progress(1, enabled=False))
+    ctx = _Context(torch.device("cpu"), True, None)
+    out = run_fusion_case(fc, ctx, QUICK, Progress(1, enabled=False))
     base, ds = out["providers"]
     assert ds["fidelity_ok"] is False and ds["max_ulp"] == 1
     assert base["outputs_bitwise"] is (wrong == "fused")
 
 
-# Kills: bench._outputs_equal's residual_bitwise hard-wired to True: on a GPU a fused fusion with
+# Kills: _outputs_equal's residual_bitwise hard-wired to True: on a GPU a fused fusion with
 # a wrong residual (y within 1 ulp) passed the fidelity verdict.
 def test_fusion_verdict_checks_the_residual_on_gpu():
     y = torch.randn(4, 16).bfloat16()
     r = torch.randn(4, 16).bfloat16()
     r_bad = (r.view(torch.int16) ^ 1).view(torch.bfloat16)
-    eq = bench._outputs_equal((y, r_bad), (y, r), "fused", normed=(0,))
+    eq = _outputs_equal((y, r_bad), (y, r), "fused", normed=(0,))
     assert eq["residual_bitwise"] is False
-    assert not bench.fusion_fidelity_ok(eq, "cuda") and not bench.fusion_fidelity_ok(eq, "cpu")
+    assert not fusion_fidelity_ok(eq, "cuda") and not fusion_fidelity_ok(eq, "cpu")
 
 
 # Kills: the call count planned from the last warm-up call: one stalled warm-up call (another
@@ -560,9 +606,9 @@ def test_measure_plans_from_the_fastest_warm_up_call():
         calls.append(1)
         time.sleep(0.1 if len(calls) == 2 else 0.001)
 
-    r = bench.Runner("stalled once", "peer", fn, lambda: ())
-    s = bench.Settings(budget_s=0.1, min_reps=2, max_reps=1000, warmup=2, rounds=2, copy_mb=1, copy_reps=1)
-    _, n, _ = bench.measure([r], s, torch.device("cpu"))["stalled once"]
+    r = Runner("stalled once", "peer", fn, lambda: ())
+    s = Settings(budget_s=0.1, min_reps=2, max_reps=1000, warmup=2, rounds=2, copy_mb=1, copy_reps=1)
+    _, n, _ = measure([r], s, torch.device("cpu"))["stalled once"]
     # Planned from the stalled call (0.1 s) the run gets min_reps calls; from the fastest, ~100, of
     # which each round's deadline (0.1 s) keeps fewer when the machine is loaded (a 1 ms sleep took
     # ~6 ms at a load average of 5 on 2 cores, and 16 calls were made): more than min_reps is the test.
@@ -601,7 +647,7 @@ def test_a_wrong_gradient_fails_the_run(monkeypatch, tmp_path, wrong, case_name)
     assert rc == 1 and "FAIL" in out
     (case,) = json.loads(path.read_text())["cases"]
     rows = {p["name"]: p for p in case["providers"]}
-    ds, ref = rows[bench.DSNORM], rows[bench.REFERENCE]
+    ds, ref = rows[DSNORM], rows[REFERENCE]
     assert ds["fidelity_ok"] is False and ds["max_ulp"] == 0  # y itself is right
     name = "dx" if wrong == "x" else "dresidual"
     assert ds["grad_max_rel_err"][name] > 1 and ref["grad_max_rel_err"][name] < 2 ** -7
@@ -610,10 +656,10 @@ def test_a_wrong_gradient_fails_the_run(monkeypatch, tmp_path, wrong, case_name)
 
 def test_gradient_criterion():
     good = {"max_ulp": 0, "pct_bitwise": 100.0, "residual_bitwise": None}
-    assert bench.meets_fidelity(dict(good, grad_max_rel_err={"dx": 3e-3, "dweight": 1e-7}), "cpu", 1536)
+    assert meets_fidelity(dict(good, grad_max_rel_err={"dx": 3e-3, "dweight": 1e-7}), "cpu", 1536)
     for bad in ({"dx": 0.01, "dweight": 1e-7}, {"dx": 3e-3, "dweight": 1e-4}, {"dx": float("nan"), "dweight": 0.0},
                 {"dx": 3e-3, "dweight": 1e-7, "dresidual": 0.02}):
-        assert not bench.meets_fidelity(dict(good, grad_max_rel_err=bad), "cpu", 1536), bad
+        assert not meets_fidelity(dict(good, grad_max_rel_err=bad), "cpu", 1536), bad
 
 
 # Kills: NUMBA_NUM_THREADS checked against --threads only: with the variable below torch's thread
@@ -658,7 +704,7 @@ def _ratio_cells(line: str) -> list:
 def _with_contention(case: dict, contended: bool) -> dict:
     window = {"seconds": 0.3, "others_cpus": 1.2 if contended else 0.0, "others_share": 0.6 if contended else 0.0,
               "pressure_share": 1.0 if contended else 0.0,
-              "contended": contended, "attempts": bench.QUICK.attempts if contended else 1}
+              "contended": contended, "attempts": QUICK.attempts if contended else 1}
     return dict(case, contention=window)
 
 
@@ -666,14 +712,14 @@ def test_noisy_ratios_are_marked_in_the_summary(quick):
     result = json.loads(json.dumps(quick["json"]))
     case = _with_contention(next(c for c in result["cases"] if c["site"] != "fusion"), False)
     for full in (False, True):
-        text = bench.format_table(dict(result, cases=[dict(case, dsnorm_speedup_noisy={})]), full=full)
-        assert bench.NOISY_MARK + " noisy" not in text
+        text = format_table(dict(result, cases=[dict(case, dsnorm_speedup_noisy={})]), full=full)
+        assert NOISY_MARK + " noisy" not in text
         marked = dict(case, dsnorm_speedup_noisy={name: True for name in case["dsnorm_speedup"]})
-        text = bench.format_table(dict(result, cases=[marked]), full=full)
+        text = format_table(dict(result, cases=[marked]), full=full)
         line = next(ln for ln in text.splitlines() if ln.lstrip().startswith(case["name"]) and _ratio_cells(ln))
         cells = _ratio_cells(line)
-        assert len(cells) == len(case["dsnorm_speedup"]) and all(c.endswith(bench.NOISY_MARK) for c in cells), line
-        assert bench.NOISY_MARK + " noisy" in text
+        assert len(cells) == len(case["dsnorm_speedup"]) and all(c.endswith(NOISY_MARK) for c in cells), line
+        assert NOISY_MARK + " noisy" in text
 
 
 # Kills: a ratio printed from a case timed under contention without its mark (the issue's
@@ -685,17 +731,17 @@ def test_every_number_of_a_contended_case_carries_its_mark(quick):
     # The copy bandwidth quiet (this run's may not have been): only the cases' own marks here.
     result = dict(result, cases=cases, contention=dict(result["contention"], copy_contended=False))
     for full in (False, True):
-        text = bench.format_table(result, full=full)
+        text = format_table(result, full=full)
         for case in cases:
             lines = [ln for ln in text.splitlines() if ln.lstrip().startswith(case["name"] + " ")
                      and _ratio_cells(ln)]
             assert lines or not case["dsnorm_speedup"], case["name"]
             for line in lines:
-                marked = [c.rstrip(bench.NOISY_MARK).endswith(bench.CONTENDED_MARK) for c in _ratio_cells(line)]
+                marked = [c.rstrip(NOISY_MARK).endswith(CONTENDED_MARK) for c in _ratio_cells(line)]
                 assert all(marked) if case["contention"]["contended"] else not any(marked), line
-        assert f"{bench.CONTENDED_MARK} contended ({(len(cases) + 1) // 2} of {len(cases)} cases" in text
+        assert f"{CONTENDED_MARK} contended ({(len(cases) + 1) // 2} of {len(cases)} cases" in text
     # --full: each provider row's median, GB/s, %copy and speed-up over the reference carry the mark.
-    text = bench.format_table(result, full=True)
+    text = format_table(result, full=True)
     for case in cases:
         block = text.split("\n" + case["name"] + "  ", 1)[1].split("\n\n", 1)[0].splitlines()[2:]
         for p in case["providers"]:
@@ -703,29 +749,29 @@ def test_every_number_of_a_contended_case_carries_its_mark(quick):
                 continue
             (line,) = [ln for ln in block if ln.startswith(f"  {p['name']} ")]
             marks = 1 + (p["gbps"] is not None) + (p["pct_copy"] is not None) + (p["speedup_vs_reference"] is not None)
-            assert line.count(bench.CONTENDED_MARK) == (marks if case["contention"]["contended"] else 0), line
+            assert line.count(CONTENDED_MARK) == (marks if case["contention"]["contended"] else 0), line
     quiet = dict(result, cases=[_with_contention(c, False) for c in cases],
                  contention=dict(result["contention"], copy_contended=False))
-    assert "contended (" not in bench.format_table(quiet)
+    assert "contended (" not in format_table(quiet)
     copy = dict(quiet, contention=dict(quiet["contention"], copy_contended=True))
-    assert "contended (0 of" in bench.format_table(copy) and "GB/s" + bench.CONTENDED_MARK in bench.format_table(copy)
+    assert "contended (0 of" in format_table(copy) and "GB/s" + CONTENDED_MARK in format_table(copy)
     # A contended copy bandwidth inflates every %copy: each is marked, in both tables.
     for full in (False, True):
-        for text, mark in ((bench.format_table(quiet, full=full), False), (bench.format_table(copy, full=full), True)):
+        for text, mark in ((format_table(quiet, full=full), False), (format_table(copy, full=full), True)):
             for case in quiet["cases"]:
                 for p in case["providers"]:
                     if p["pct_copy"] is not None and (full or p["role"] == "dsnorm"):
-                        cell = f"{p['pct_copy']:.1f}" + bench.CONTENDED_MARK
+                        cell = f"{p['pct_copy']:.1f}" + CONTENDED_MARK
                         assert (cell in text) is mark, (case["name"], p["name"], full)
 
 
 def test_the_plot_marks_contended_cases(quick):
     result = json.loads(json.dumps(quick["json"]))
     cases = [_with_contention(c, i == 0) for i, c in enumerate(result["cases"])]
-    bars = bench.plot_bars(dict(result, cases=cases))
+    bars = plot_bars(dict(result, cases=cases))
     points = [pt for _, pts in bars for pt in pts]
     assert points and {i for i, _, contended in points if contended} == {0}
-    assert bench.plot_png(dict(result, cases=cases))[:8] == PNG_SIGNATURE
+    assert plot_png(dict(result, cases=cases))[:8] == PNG_SIGNATURE
 
 
 def test_default_table_fits_120_columns_and_lists_missing_peers_once(quick):
@@ -744,12 +790,12 @@ def test_default_table_fits_120_columns_and_lists_missing_peers_once(quick):
     many = {f"peer{i}": 1.5 for i in range(12)}
     case = dict(result["cases"][0], dsnorm_speedup=dict(result["cases"][0]["dsnorm_speedup"], **many),
                 dsnorm_speedup_graph=dict(many))
-    text = bench.format_table(dict(result, cases=[case]))
+    text = format_table(dict(result, cases=[case]))
     assert max(map(len, text.splitlines())) <= 120 and all(f"vs peer{i}" in text for i in range(12))
 
 
 def test_full_table_keeps_every_provider(quick):
-    text = bench.format_table(quick["json"], full=True)
+    text = format_table(quick["json"], full=True)
     for case in quick["json"]["cases"]:
         for p in case["providers"]:
             assert f"  {p['name']}" in text
@@ -765,9 +811,9 @@ def test_contention_is_recorded_in_the_json(quick):
     for case in d["cases"]:
         c = case["contention"]
         assert set(c) == {"seconds", "others_cpus", "others_share", "pressure_share", "contended", "attempts"}
-        assert 1 <= c["attempts"] <= bench.QUICK.attempts and c["seconds"] >= contention.MIN_WINDOW_S
+        assert 1 <= c["attempts"] <= QUICK.attempts and c["seconds"] >= contention.MIN_WINDOW_S
         # Timed again only when contended; the last attempt is kept only if still contended.
-        assert c["attempts"] == 1 or c["contended"] is False or c["attempts"] == bench.QUICK.attempts
+        assert c["attempts"] == 1 or c["contended"] is False or c["attempts"] == QUICK.attempts
     assert top["cases_contended"] == sum(bool(c["contention"]["contended"]) for c in d["cases"])
 
 
@@ -853,12 +899,12 @@ def test_meter_stretches_short_windows():
     assert w["seconds"] >= contention.MIN_WINDOW_S and w["contended"] is False
 
 
-TINY = bench.Settings(budget_s=0.001, min_reps=2, max_reps=3, warmup=1, rounds=1, copy_mb=1, copy_reps=1, attempts=3)
+TINY = Settings(budget_s=0.001, min_reps=2, max_reps=3, warmup=1, rounds=1, copy_mb=1, copy_reps=1, attempts=3)
 
 
 def _one_case_run(meter):
-    case = next(c for c in bench.default_cases(tokens=bench.QUICK_TOKENS) if c.name == "q_norm decode B=1")
-    return bench.bench(cases=[case], fusions=[], providers={"none"}, progress=False, settings=TINY, meter=meter)
+    case = next(c for c in default_cases(tokens=QUICK_TOKENS) if c.name == "q_norm decode B=1")
+    return bench(cases=[case], fusions=[], providers={"none"}, progress=False, settings=TINY, meter=meter)
 
 
 # Kills: a contended case kept at its first attempt, or timed again without end, or its last
@@ -879,21 +925,21 @@ def test_a_contended_case_is_timed_again_then_marked(busy_readings, attempts, co
 
 def test_settle_waits_a_bounded_time_and_says_so():
     err = io.StringIO()
-    record = bench.settle(FakeCpu(lambda k: k <= 6).meter(), 30.0, err)
+    record = settle(FakeCpu(lambda k: k <= 6).meter(), 30.0, err)
     assert record["settled"] is True and 1 < record["waited_s"] < 30
     assert "waiting up to 30s" in err.getvalue() and "quiet after" in err.getvalue()
     err = io.StringIO()
-    record = bench.settle(FakeCpu(lambda k: True).meter(), 5.0, err)
+    record = settle(FakeCpu(lambda k: True).meter(), 5.0, err)
     assert record["settled"] is False and 5.0 <= record["waited_s"] <= 5.0 + 2 * 1.6
     assert "still busy after" in err.getvalue()
     err = io.StringIO()
-    record = bench.settle(FakeCpu(lambda k: False).meter(), 30.0, err)
+    record = settle(FakeCpu(lambda k: False).meter(), 30.0, err)
     assert record["settled"] is True and err.getvalue() == ""
 
 
 def test_settle_option(monkeypatch):
     calls = []
-    monkeypatch.setattr(bench, "settle", lambda meter, seconds, stream=None: calls.append(seconds) or
+    monkeypatch.setattr(harness, "settle", lambda meter, seconds, stream=None: calls.append(seconds) or
                         {"max_wait_s": seconds, "waited_s": 1.0, "settled": True, "last": None})
     assert run_cli(["bench", "--settle", "0", "--quick", "--cases", "q_norm decode B=1", "--providers", "none"])[0] == 0
     assert calls == []

@@ -293,8 +293,7 @@ def test_backward(fused, rows, n, stride):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_backward_prefetch_rows(dtype, monkeypatch):
     # 2048 rows of 7168: 4 rows a backward program, so the next-row prefetch is used (and masked at
-    # each program's end), and so is software pipelining when BWD_NUM_STAGES asks for it (off by
-    # default); every combination's results equal the plain kernel's bit for bit, and the
+    # each program's end); the results with it equal those without it bit for bit, and the
     # reference's within the tolerance, with round-first and a residual_out gradient too.
     from dsnorm.triton import launch
 
@@ -306,9 +305,8 @@ def test_backward_prefetch_rows(dtype, monkeypatch):
     dy, dres = rows_of(rows, n, dtype, gen), rows_of(rows, n, dtype, gen)
     for rounding in ("fp32_sum", "round_first"):
         grads = []
-        for prefetch, stages in ((False, 1), (True, 1), (False, 3), (True, 3)):
+        for prefetch in (False, True):
             monkeypatch.setattr(launch, "BWD_PREFETCH", prefetch)
-            monkeypatch.setattr(launch, "BWD_NUM_STAGES", stages)
             xg, rg, wg = x.clone().requires_grad_(), r.clone().requires_grad_(), w.clone().requires_grad_()
             y, s = dsnorm.fused_add_rms_norm(xg, rg, wg, residual_rounding=rounding)
             torch.autograd.backward((y, s), (dy, dres))
@@ -452,33 +450,61 @@ def test_direct_launch_only_reuses_a_matching_compiled_kernel(monkeypatch):
     assert len(launches.compiled) == 3 and launches.constexprs[0] == 1  # ROWS_PER_PROG first
 
 
-def test_backward_pipelined_plain_and_fp32(monkeypatch):
-    # The pipelined backward (BWD_NUM_STAGES, off by default) on the plain norm it is meant for,
-    # [2048, 7168] bf16, and on fp32 fused rows, where 4 stages asked for are cut to what
-    # BWD_STAGES_SMEM holds (2) and must still launch: the same bits as the unpipelined kernel.
+# benchmarks/bwd_stages.py: the backward with its row loop software-pipelined, an experiment that
+# the library does not ship (its launcher passes NUM_STAGES=1).
+
+
+def _pipelined_matches_the_library(x, r, w, dy, dro, round_first, stages):
+    """The experiment's backward of these rows (``stages`` asked for) against the library's: the same
+    bits of dx, dweight and, for a residual of another dtype, dresidual. Returns the experiment's
+    module."""
+    from conftest import load_benchmark
     from dsnorm.triton import launch
 
+    bwd_stages = load_benchmark("bwd_stages")
+    rstd = torch.empty(x.shape[0], device=x.device)
+    launch.forward(x, r, w, EPS, False, round_first, torch.empty_like(x), None if r is None else torch.empty_like(r),
+                   rstd)
+    grads = []
+    for backward in (launch.backward, lambda *args: bwd_stages.backward(*args, stages)):
+        dx, dw = torch.empty_like(x), torch.empty_like(w)
+        dr = torch.empty_like(r) if r is not None and r.dtype != x.dtype else None
+        backward(dy, x, r, w, rstd, dro, round_first, dx, dr, dw)
+        grads.append([g for g in (dx, dr, dw) if g is not None])
+    for a, b in zip(*grads):
+        assert_bitwise(a, b)
+    return bwd_stages
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_backward_pipelined_rows(dtype, monkeypatch):
+    # The rows of test_backward_prefetch_rows (4 a backward program) with the loop pipelined over 3
+    # stages, prefetched and not, round-first and not, with a residual_out gradient: the library's bits.
+    from dsnorm.triton import launch
+
+    rows, n = 2048, 7168
+    gen = torch.Generator().manual_seed(29)
+    x, r = rows_of(rows, n, dtype, gen), rows_of(rows, n, dtype, gen, scale=4.0)
+    w = weight_of(n, gen)
+    dy, dres = rows_of(rows, n, dtype, gen), rows_of(rows, n, dtype, gen)
+    assert launch.backward_rows_per_program(rows, n, dtype) > 1
+    for round_first in (False, True):
+        for prefetch in (False, True):
+            monkeypatch.setattr(launch, "BWD_PREFETCH", prefetch)
+            _pipelined_matches_the_library(x, r, w, dy, dres, round_first, 3)
+
+
+def test_backward_pipelined_plain_and_fp32():
+    # The pipelined backward on the plain norm it is meant for, [2048, 7168] bf16, and on fp32 fused
+    # rows, where 4 stages asked for are cut to what BWD_STAGES_SMEM holds (2) and must still launch:
+    # the same bits as the library's unpipelined kernel.
     gen = torch.Generator().manual_seed(31)
     n = 7168
-    assert launch.backward_stages(8192, [torch.float32] * 3) == 1  # the default: off
     for dtype, fused in ((torch.bfloat16, False), (torch.float32, True)):
         x, r = rows_of(2048, n, dtype, gen), rows_of(2048, n, dtype, gen, scale=4.0)
         w, dy = weight_of(n, gen), rows_of(2048, n, dtype, gen)
-        grads = []
-        for stages in (1, 4):
-            monkeypatch.setattr(launch, "BWD_NUM_STAGES", stages)
-            if fused and stages > 1:
-                assert launch.backward_stages(8192, [torch.float32] * 3) == 2
-            xg, rg, wg = x.clone().requires_grad_(), r.clone().requires_grad_(), w.clone().requires_grad_()
-            if fused:
-                y, _ = dsnorm.fused_add_rms_norm(xg, rg, wg)
-                y.backward(dy)
-                grads.append((xg.grad, rg.grad, wg.grad))
-            else:
-                dsnorm.rms_norm(xg, wg).backward(dy)
-                grads.append((xg.grad, wg.grad))
-        for a, b in zip(*grads):
-            assert_bitwise(a, b)
+        bwd_stages = _pipelined_matches_the_library(x, r if fused else None, w, dy, None, False, 4)
+    assert bwd_stages.backward_stages(8192, [torch.float32] * 3, 4) == 2
 
 
 def test_dweight_deterministic():

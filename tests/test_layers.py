@@ -75,3 +75,43 @@ def test_lower_layers_import_nothing_above_them():
         upward = {m for m in _dsnorm_imports(path) if m not in ALLOWED[name] | {name}}
         assert not upward, f"{name} imports {sorted(upward)} from a layer above it"
     assert checked == set(ALLOWED), sorted(set(ALLOWED) - checked)
+
+
+# The bench (a tool on top of the library, free to import any of it) is layered the same way inside:
+# each of its modules may import only the bench modules listed for it (and dsnorm.integrations.vllm_bench,
+# the registry's peer module, only the two below it). The package's __init__ imports none of them.
+_CASES, _MACHINE, _VERIFY = "dsnorm.bench.cases", "dsnorm.bench.machine", "dsnorm.bench.verify"
+_PROVIDERS, _REGISTRY, _TIMING = "dsnorm.bench.providers", "dsnorm.bench.registry", "dsnorm.bench.timing"
+_HARNESS, _REPORT, _PLOT = "dsnorm.bench.harness", "dsnorm.bench.report", "dsnorm.bench.plot"
+_VLLM_PEERS = "dsnorm.integrations.vllm_bench"
+BENCH_ALLOWED = {
+    "dsnorm.bench": set(),
+    _CASES: set(),
+    _MACHINE: set(),
+    _VERIFY: {_CASES},
+    _PROVIDERS: {_CASES},
+    _VLLM_PEERS: {_CASES, _PROVIDERS},
+    _REGISTRY: {_PROVIDERS, _VLLM_PEERS},
+    _TIMING: {_PROVIDERS},
+    _HARNESS: {_CASES, _MACHINE, _VERIFY, _PROVIDERS, _REGISTRY, _TIMING},
+    _REPORT: {_PROVIDERS, _REGISTRY, _TIMING},
+    _PLOT: {_REGISTRY, _REPORT},
+    "dsnorm.bench.cli": {_CASES, _HARNESS, _PLOT, _PROVIDERS, _REGISTRY, _REPORT},
+}
+
+
+def test_bench_modules_import_only_downward():
+    bench_modules = {_module_name(p) for p in (PACKAGE / "bench").rglob("*.py")}
+    assert bench_modules <= set(BENCH_ALLOWED), sorted(bench_modules - set(BENCH_ALLOWED))  # every module placed
+    for name in BENCH_ALLOWED:
+        path = PACKAGE.parent / (name.replace(".", "/") + ".py")
+        if not path.exists():
+            path = path.with_suffix("") / "__init__.py"
+        imported = {m for m in _dsnorm_imports(path) if m in BENCH_ALLOWED} - {name}
+        assert imported <= BENCH_ALLOWED[name], f"{name} imports {sorted(imported - BENCH_ALLOWED[name])}"
+    # The allowed imports themselves form no cycle: modules fall away layer by layer.
+    left = dict(BENCH_ALLOWED)
+    while left:
+        lowest = {name for name, deps in left.items() if not deps & set(left)}
+        assert lowest, f"an import cycle among {sorted(left)}"
+        left = {name: deps for name, deps in left.items() if name not in lowest}

@@ -527,14 +527,11 @@ def test_multi_block_backward(small_blocks, dtype):
     _check_backward(x, None, w, rstd, None, False, x.float(), gen)
 
 
-@pytest.mark.parametrize("prefetch, stages", [(True, 1), (False, 1), (True, 3)])
-def test_backward_rows_per_program(small_blocks, monkeypatch, prefetch, stages):
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_backward_rows_per_program(small_blocks, monkeypatch, prefetch):
     # Several rows per program on the single-block path too (dweight partials over row blocks), the
-    # last program's block partial (7 rows, 4 a program), with and without the next-row prefetch,
-    # and with the row loop software-pipelined (which the interpreter runs unpipelined: what the
-    # GPU's cp.async copies do is checked by test_cuda.py, that they are there by the sm_90 compile).
+    # last program's block partial (7 rows, 4 a program), with and without the next-row prefetch.
     monkeypatch.setattr(launch, "BWD_PREFETCH", prefetch)
-    monkeypatch.setattr(launch, "BWD_NUM_STAGES", stages)
     monkeypatch.setattr(launch, "BWD_PREFETCH_MIN_BLOCK", 1)
     rows, n = 7, 48
     dtype = torch.bfloat16
@@ -565,10 +562,9 @@ def test_launch_heuristics_and_their_plans(monkeypatch):
     assert fwd()[2] is fwd()[2] and fwd()[2]["num_warps"] == 8
     plain = lambda: launch.backward_params(x, x, None, w, rstd, None, False, x, None,  # noqa: E731
                                            launch.backward_partials(x, fused=False))[2]
-    assert plain()["num_warps"] == 32 and plain()["NUM_STAGES"] == launch.BWD_NUM_STAGES == 1
-    monkeypatch.setattr(launch, "BWD_NUM_STAGES", 3)
+    assert plain()["num_warps"] == 32 and plain()["NUM_STAGES"] == 1  # the row loop is never pipelined
     monkeypatch.setattr(launch, "MAX_WARPS_PLAIN_BWD", 16)
-    assert plain()["NUM_STAGES"] == 3 and plain()["num_warps"] == 16
+    assert plain()["num_warps"] == 16
     monkeypatch.setattr(launch, "MAX_WARPS", 4)
     assert fwd()[2]["num_warps"] == 4
     with pytest.raises(AssertionError):  # partials sized for the fused backward's programs
@@ -695,35 +691,66 @@ def test_direct_launch_key_agrees_with_tritons_specialisation():
             assert seen.setdefault(key, tritons(a)) == tritons(a), (a, key)
 
 
+# benchmarks/bwd_stages.py: the backward with its row loop software-pipelined, an experiment that
+# the library does not ship (its launcher passes NUM_STAGES=1).
+
+
+def test_pipelined_backward_experiment(small_blocks, monkeypatch):
+    # The experiment's launch on the rows of test_backward_rows_per_program (7 rows, 4 a program,
+    # prefetched), with 3 stages: the interpreter runs the loop unpipelined (what the GPU's cp.async
+    # copies do is checked by test_cuda.py, that they are there by the sm_90 compile), so this holds
+    # the launch itself: the same gradients, bit for bit, as the library's backward.
+    from conftest import load_benchmark
+
+    bwd_stages = load_benchmark("bwd_stages")
+    monkeypatch.setattr(launch, "BWD_PREFETCH_MIN_BLOCK", 1)
+    rows, n = 7, 48
+    dtype = torch.bfloat16
+    gen = torch.Generator().manual_seed(7)
+    x, r, w = rows_of(rows, n, dtype, gen), rows_of(rows, n, dtype, gen), weight_of(n, gen)
+    y, ro, rstd = torch.empty_like(x), torch.empty_like(r), torch.empty(rows)
+    launch.forward(x, r, w, EPS, False, False, y, ro, rstd)
+    dy, dro = rows_of(rows, n, dtype, gen), rows_of(rows, n, dtype, gen)
+    meta = bwd_stages.backward_params(dy, x, r, w, rstd, dro, False, torch.empty_like(x), None,
+                                      launch.backward_partials(x), 3)[2]
+    assert meta["NUM_STAGES"] == 3 and meta["PREFETCH"] and meta["ROWS_PER_PROG"] > 1
+    dx, dw = torch.empty_like(x), torch.empty_like(w)
+    bwd_stages.backward(dy, x, r, w, rstd, dro, False, dx, None, dw, 3)
+    want = _run_backward(dy, x, r, w, rstd, dro, False)
+    assert_bitwise(dx, want[0])
+    assert_bitwise(dw, want[2])
+
+
 def test_backward_stages_fit_shared_memory(monkeypatch):
     # Stages asked for are cut until (stages - 1) rows of every input the loop loads fit in
     # BWD_STAGES_SMEM (96 KiB), less a compute-dtype row when the dtypes differ (Triton's layout
     # conversion scratch); the multi-block path is never pipelined. (What Triton really allocates
     # is checked against these by the sm_90 compile test.)
+    from conftest import load_benchmark
+
+    bwd_stages = load_benchmark("bwd_stages")
     bf, f32, f64 = torch.bfloat16, torch.float32, torch.float64
-    monkeypatch.setattr(launch, "BWD_NUM_STAGES", 4)
-    assert launch.backward_stages(8192, [bf, bf]) == 4  # plain bf16 [*, 7168]: 16 KiB a row
-    assert launch.backward_stages(8192, [bf, bf, bf]) == 3  # fused bf16
-    assert launch.backward_stages(8192, [f32] * 3) == 2  # fused fp32: 96 KiB a stage
-    assert launch.backward_stages(8192, [f32] * 4) == 1  # fused fp32 with a residual_out gradient
-    assert launch.backward_stages(4096, [bf, bf, f32]) == 3  # 32 KiB a stage, 80 KiB left
-    assert launch.backward_stages(8192, [bf, bf, f32]) == 2  # 64 KiB a stage, 64 KiB left
-    assert launch.backward_stages(8192, [bf, bf, f32, f32]) == 1
-    assert launch.backward_stages(2048, [f64, f64, f32, f32]) == 2  # 48 KiB a stage, 80 KiB left
+    assert bwd_stages.backward_stages(8192, [bf, bf], 4) == 4  # plain bf16 [*, 7168]: 16 KiB a row
+    assert bwd_stages.backward_stages(8192, [bf, bf, bf], 4) == 3  # fused bf16
+    assert bwd_stages.backward_stages(8192, [f32] * 3, 4) == 2  # fused fp32: 96 KiB a stage
+    assert bwd_stages.backward_stages(8192, [f32] * 4, 4) == 1  # fused fp32 with a residual_out gradient
+    assert bwd_stages.backward_stages(4096, [bf, bf, f32], 4) == 3  # 32 KiB a stage, 80 KiB left
+    assert bwd_stages.backward_stages(8192, [bf, bf, f32], 4) == 2  # 64 KiB a stage, 64 KiB left
+    assert bwd_stages.backward_stages(8192, [bf, bf, f32, f32], 4) == 1
+    assert bwd_stages.backward_stages(2048, [f64, f64, f32, f32], 4) == 2  # 48 KiB a stage, 80 KiB left
     x = torch.empty(2, 7168)
-    meta = launch.backward_params(x, x, x, torch.empty(7168), torch.empty(2), None, False, x, x,
-                                  launch.backward_partials(x))[2]
+    meta = bwd_stages.backward_params(x, x, x, torch.empty(7168), torch.empty(2), None, False, x, x,
+                                      launch.backward_partials(x), 4)[2]
     assert meta["SINGLE_BLOCK"] and meta["NUM_STAGES"] == 2
     xb, r32 = torch.empty(2, 7168, dtype=bf), torch.empty(2, 7168)
-    meta = launch.backward_params(xb, xb, r32, torch.empty(7168), torch.empty(2), r32, False, xb, r32,
-                                  launch.backward_partials(xb))[2]
+    meta = bwd_stages.backward_params(xb, xb, r32, torch.empty(7168), torch.empty(2), r32, False, xb, r32,
+                                      launch.backward_partials(xb), 4)[2]
     assert meta["NUM_STAGES"] == 1
     monkeypatch.setattr(launch, "MAX_BLOCK_N", 1024)
-    meta = launch.backward_params(xb, xb, None, torch.empty(7168), torch.empty(2), None, False, xb, None,
-                                  launch.backward_partials(xb, fused=False))[2]
+    meta = bwd_stages.backward_params(xb, xb, None, torch.empty(7168), torch.empty(2), None, False, xb, None,
+                                      launch.backward_partials(xb, fused=False), 4)[2]
     assert not meta["SINGLE_BLOCK"] and meta["NUM_STAGES"] == 1
-    monkeypatch.setattr(launch, "BWD_NUM_STAGES", 1)
-    assert launch.backward_stages(512, [bf, bf]) == 1
+    assert bwd_stages.backward_stages(512, [bf, bf], 1) == 1
 
 
 def test_backward_fp64():

@@ -34,9 +34,9 @@ def test_strict_mypy_sees_the_public_api_types(tmp_path):
 def _public_callables():
     import inspect
 
-    from dsnorm import checkpoint, distributed, patching, sites
+    from dsnorm import checkpoint, distributed, output_files, patching, sites
 
-    for module in (dsnorm, sites, checkpoint, patching, distributed):
+    for module in (dsnorm, sites, output_files, checkpoint, patching, distributed):
         for name in getattr(module, "__all__", None) or [n for n in vars(module) if not n.startswith("_")]:
             obj = getattr(module, name)
             if getattr(obj, "__module__", "").startswith("dsnorm") and callable(obj):

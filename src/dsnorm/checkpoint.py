@@ -31,6 +31,7 @@ from typing import Any, Optional, Union
 
 from torch import nn  # loaded already (dsnorm/__init__ imports torch); load_norms' annotation names it
 
+from dsnorm.output_files import json_path_refused, write_output
 from dsnorm.sites import (
     HF_SUFFIX,
     REF_SUFFIX,
@@ -38,10 +39,8 @@ from dsnorm.sites import (
     config_file,
     default_config_path,
     enumerate_sites,
-    json_path_refused,
     load_config,
     read_json_file,
-    write_output,
 )
 from dsnorm.terminal import table, wrap
 

@@ -12,7 +12,7 @@ import os
 import sys
 
 COMMANDS = {
-    "bench": ("dsnorm.bench", "verify dsnorm against the reference and time it against the peers"),
+    "bench": ("dsnorm.bench.cli", "verify dsnorm against the reference and time it against the peers"),
     "sites": ("dsnorm.sites", "the DeepSeek-V3.2-Exp RMSNorm sites of a config: shapes and parameters"),
     "count": ("dsnorm.checkpoint", "count the norm tensors of a safetensors checkpoint from its headers"),
 }

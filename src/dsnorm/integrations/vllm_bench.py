@@ -19,7 +19,9 @@ import os
 
 import torch
 
-from dsnorm.bench import EPS, InputPool, Runner, Unavailable, _const, case_bytes, find_vllm_so
+from dsnorm.bench.cases import case_bytes
+from dsnorm.bench.providers import InputPool, Runner, Unavailable, _const, find_vllm_so
+from dsnorm.ref import EPS
 
 
 def available() -> bool:
@@ -145,7 +147,7 @@ def build_provider(case, inp, ctx) -> Runner:
 
 
 def peers() -> tuple:
-    """``(name, builder)`` pairs for ``dsnorm.bench.PROVIDERS``: empty without vLLM."""
+    """``(name, builder)`` pairs for ``dsnorm.bench.registry.PROVIDERS``: empty without vLLM."""
     if not available():
         return ()
     return (("vLLM native", build_native), ("vLLM native compiled", build_native_compiled),

@@ -35,8 +35,9 @@ Launch heuristics (no autotuning: the first call must not sweep configs):
   specialisation) and later launches call it directly (``DIRECT_LAUNCH``): 22 against 39 us for
   the launcher on an H200's host.
 * Backward row loop: the next row prefetched into registers (``BWD_PREFETCH``: 16-bit rows whose
-  block is at least ``BWD_PREFETCH_MIN_BLOCK``, i.e. n > 2048); Triton's software pipelining
-  (``BWD_NUM_STAGES``) is there but off (measured: see below).
+  block is at least ``BWD_PREFETCH_MIN_BLOCK``, i.e. n > 2048); not software-pipelined (the
+  kernel's ``NUM_STAGES`` is 1: benchmarks/bwd_stages.py launches it pipelined, and
+  docs/performance.md says what that measured).
 
 Batch invariance: ``BLOCK_N`` and ``num_warps`` depend on ``n`` and the dtypes only, and a
 program's rows are processed one at a time by the same code, so a row's forward bits do not depend
@@ -86,23 +87,6 @@ BWD_WIDE_BLOCK = 4096
 # hold twice the registers and were not measured.
 BWD_PREFETCH = True
 BWD_PREFETCH_MIN_BLOCK = 4096
-# Software pipelining of the backward's single-block row loop (the kernel's NUM_STAGES; 1 is off).
-# Compiled for sm_90 with Triton 3.6 and 3.9, 2-4 stages issue the next rows' x / residual / dy as
-# cp.async copies into shared memory (16 KB a stage a tensor at 7168 bf16). Without PREFETCH
-# nothing spills; with it, Triton 3.6 spills 8-24 bytes a thread in the fused bf16 [*, 7168] case
-# (3.9 does not). Measured on an H200 with Triton 3.6 (benchmarks/gpu_configs.py, two runs on
-# 2026-11-30), bf16 [16384, n]: at 7168 the plain backward with 3 stages and no prefetch was 3%
-# faster than the default in both runs (192 against 198 us at 32 warps, 210 against 215 at 16), the
-# fused one 1% slower (312 against 308); at 1536 and 512 the same configurations moved by up to
-# 3.4x between the runs (512, 3 stages: 140 us, then 41 us). Off: the one consistent 3% would need
-# a rule per kind, confirmed by a third run.
-BWD_NUM_STAGES = 1
-# Shared memory the pipelined rows may take, (stages - 1) x one row of every input the loop loads,
-# less a compute-dtype row when the inputs' dtypes differ (Triton then also converts layouts through
-# shared memory: 8-16 KiB measured, next to the stages): stages are dropped until they fit. 96 KiB is
-# under every sm_80+ GPU's per-block limit (99 KiB on sm_86/89/120); fp32 [*, 7168] fused rows are
-# 96 KiB a stage, so they get 2 stages at most.
-BWD_STAGES_SMEM = 96 << 10
 
 
 def on_device(t: torch.Tensor):
@@ -151,17 +135,6 @@ def backward_rows_per_program(rows: int, n: int, dtype: torch.dtype, fused: bool
     threads = BWD_PROGRAM_THREADS_WIDE if wide else BWD_PROGRAM_THREADS
     programs = max(1, threads // (32 * warps))
     return max(1, -(-rows // programs))
-
-
-def backward_stages(block: int, dtypes) -> int:
-    """The backward's ``NUM_STAGES``: ``BWD_NUM_STAGES``, fewer if the rows in flight would pass
-    ``BWD_STAGES_SMEM``. ``dtypes``: those of the rows the loop loads, x's first (x, dy, then the
-    residual and the residual_out gradient when present)."""
-    per_column = sum(d.itemsize for d in dtypes)
-    budget = BWD_STAGES_SMEM
-    if any(d != dtypes[0] for d in dtypes):
-        budget -= block * _compute_dtype(dtypes[0]).primitive_bitwidth // 8
-    return max(1, min(BWD_NUM_STAGES, 1 + budget // (block * per_column)))
 
 
 def _ptr(t, fallback):
@@ -256,7 +229,7 @@ def _launch(kernel, grid, args, meta, launches: _Launches) -> None:
 # Launch parameters that depend on the shape, dtypes and flags only, per such key. The key also
 # holds the settings ``_settings`` lists (the module's constants and the two config functions that
 # benchmarks/gpu_configs.py and the tests replace), so a change to those is never served a stale
-# plan; the helpers behind them (``backward_stages``, ``_block``...) are not in it and must not be
+# plan; the helpers behind them (``_block``, ``_compute_dtype``...) are not in it and must not be
 # replaced at run time. Bounded: a training run with varying row counts adds a key per count.
 _plans: dict = {}
 _PLANS_MAX = 4096
@@ -265,7 +238,7 @@ _PLANS_MAX = 4096
 def _settings() -> tuple:
     return (MAX_BLOCK_N, MAX_BLOCK_N_FP64, MAX_WARPS, MAX_WARPS_PLAIN_BWD, FWD_MAX_PROGRAMS,
             BWD_PROGRAM_THREADS, BWD_PROGRAM_THREADS_WIDE, BWD_WIDE_BLOCK, BWD_PREFETCH,
-            BWD_PREFETCH_MIN_BLOCK, BWD_NUM_STAGES, BWD_STAGES_SMEM, config, backward_config)
+            BWD_PREFETCH_MIN_BLOCK, config, backward_config)
 
 
 def _remember(key, plan):
@@ -385,7 +358,6 @@ def _backward_plan(rows, n, dtype, dy_dtype, residual_dtype, dro_dtype, dr_dtype
     fused = residual_dtype is not None
     block, warps, single = backward_config(n, dtype, fused)
     rows_per_prog = backward_rows_per_program(rows, n, dtype, fused)
-    loaded = [d for d in (dtype, dy_dtype, residual_dtype, dro_dtype) if d is not None]
     meta = dict(
         ROWS_PER_PROG=rows_per_prog,
         BLOCK_N=block,
@@ -395,7 +367,7 @@ def _backward_plan(rows, n, dtype, dy_dtype, residual_dtype, dro_dtype, dr_dtype
         HAS_DR=dr_dtype is not None,
         ROUND_FIRST=round_first and fused,
         PREFETCH=BWD_PREFETCH and single and block >= BWD_PREFETCH_MIN_BLOCK and dtype.itemsize == 2,
-        NUM_STAGES=backward_stages(block, loaded) if single else 1,
+        NUM_STAGES=1,  # the row loop is not software-pipelined (benchmarks/bwd_stages.py pipelines it)
         CD=_compute_dtype(dtype),
         num_warps=warps,
     )
