@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import io
 import json
+import os
 import re
 import subprocess
 import sys
@@ -983,3 +984,56 @@ def test_contention_check_script(quick, tmp_path):
                                                                for p in untimed["cases"][0]["providers"]])
     rc, out = check(untimed)
     assert rc == 1 and "0 case(s) misleading, 1 case(s) with nothing to compare" in out
+
+
+# ---------------------------------------------------------------------------------------------
+# Allocation: the C allocator is named, and an allocating row is split against its in-place twin.
+
+_PRELOADS = {"tcmalloc": "libtcmalloc_minimal.so.4", "jemalloc": "libjemalloc.so.2"}
+
+
+@pytest.mark.parametrize("name", ["default", *_PRELOADS])
+def test_the_allocator_is_named(name):
+    import platform
+    from pathlib import Path
+
+    env = dict(os.environ)
+    env.pop("LD_PRELOAD", None)
+    if name == "default":
+        want = "glibc" if platform.libc_ver()[0] == "glibc" else "other"
+    else:
+        lib = next((p / _PRELOADS[name] for p in (Path("/usr/lib/x86_64-linux-gnu"), Path("/usr/lib64"), Path("/usr/lib"))
+                    if (p / _PRELOADS[name]).exists()), None)
+        if lib is None:
+            pytest.skip(f"{name} is not installed (Debian: libtcmalloc-minimal4, libjemalloc2)")
+        env["LD_PRELOAD"], want = str(lib), name
+    out = subprocess.run([sys.executable, "-c", "from dsnorm.bench.machine import allocator; print(allocator())"],
+                         env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == want
+
+
+def test_quick_run_names_its_allocator(quick):
+    m = quick["json"]["machine"]
+    assert m["allocator"] in ("glibc", "tcmalloc", "jemalloc", "mimalloc", "other")
+    assert f"allocator {m['allocator']}" in quick["out"] and f"allocation ({m['allocator']})" in quick["out"]
+
+
+def _allocating_pair(alloc_ms, in_place_ms, spread_ms):
+    def case(name, form, shape, ms):
+        row = {"name": DSNORM, "role": "dsnorm", "median_ms": ms, "min_ms": ms - spread_ms}
+        return {"name": name, "form": form, "shape": shape, "dtype": "bfloat16", "direction": "forward",
+                "providers": [row]}
+
+    return {"cases": [case("norm+res prefill T=4096", "fused", [1, 4096, 7168], alloc_ms),
+                      case("in-place [4096, 7168]", "in-place", [4096, 7168], in_place_ms)]}
+
+
+def test_an_allocating_row_is_split_only_beyond_the_spread():
+    from dsnorm.bench.report import _allocation_split
+
+    lines = " ".join(_allocation_split(_allocating_pair(21.0, 19.5, 0.4)))
+    assert "norm+res prefill T=4096: 21.00 ms = 19.50 ms in place (in-place [4096, 7168]) + 1.50 ms" in lines
+    assert _allocation_split(_allocating_pair(21.0, 20.8, 0.4)) == []
+    other_rows = _allocating_pair(21.0, 10.0, 0.4)
+    other_rows["cases"][1]["shape"] = [64, 7168]
+    assert _allocation_split(other_rows) == []

@@ -7,7 +7,8 @@ and more), ``copy_gbps``, ``cases``, plus ``fidelity_ok``, ``elapsed_s``, ``comp
 (the ``--cases`` / ``--providers`` texts; ``dsnorm bench`` only), ``contention`` (``rule``,
 ``limits``, ``detectable``, ``settle``: the wait at the start or None, ``copy_contended``,
 ``cases_contended``); ``machine`` also holds
-``numba_threads`` and ``numba_threading_layer`` on CPU. Each case: ``name``, ``shape``, ``form``
+``numba_threads`` and ``numba_threading_layer`` on CPU, and ``allocator`` (the C allocator:
+glibc, tcmalloc, jemalloc, mimalloc or other). Each case: ``name``, ``shape``, ``form``
 (plain / fused / in-place), ``providers`` and ``site``, ``direction``, ``layout``, ``bytes``,
 ``fidelity_rule``, ``contention`` (:func:`~dsnorm.bench.timing.measure_uncontended`'s judgement of
 the window kept: ``contended``, ``attempts``, ``seconds``, ``others_cpus``, ``others_share``,

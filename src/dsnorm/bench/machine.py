@@ -1,5 +1,5 @@
 """What a run was measured on (the JSON's ``machine``): the CPU, torch's threads, the versions, the
-CPU capability torch dispatches to, the GPU (:func:`machine_info`)."""
+CPU capability torch dispatches to, the C allocator, the GPU (:func:`machine_info`)."""
 
 from __future__ import annotations
 
@@ -33,6 +33,27 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown"
 
 
+# The allocators a process may have preloaded (LD_PRELOAD) or linked, by their libraries' names.
+_ALLOCATOR_LIBRARIES = (("tcmalloc", "libtcmalloc"), ("jemalloc", "libjemalloc"), ("mimalloc", "libmimalloc"))
+
+
+def allocator() -> str:
+    """The C allocator behind this process's ``malloc``: ``tcmalloc``, ``jemalloc`` or ``mimalloc``
+    when its library is mapped (``/proc/self/maps``), else ``glibc`` where the C library is glibc,
+    else ``other``. It decides what a fresh large output costs: glibc and jemalloc give blocks of
+    tens of MB back to the OS when they are freed (the next one is faulted in and zeroed again),
+    tcmalloc keeps them."""
+    try:
+        with open("/proc/self/maps") as f:
+            maps = f.read()
+    except OSError:
+        maps = ""
+    for name, library in _ALLOCATOR_LIBRARIES:
+        if library in maps:
+            return name
+    return "glibc" if platform.libc_ver()[0] == "glibc" else "other"
+
+
 def machine_info(device: torch.device) -> dict:
     """``cpu``, ``threads`` (torch's, which dsnorm's kernels follow) and versions (None when not
     installed), plus the CPU capability torch dispatches to and the GPU's name on CUDA."""
@@ -45,6 +66,7 @@ def machine_info(device: torch.device) -> dict:
         "dsnorm": dsnorm.__version__,
         "python": platform.python_version(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "allocator": allocator(),
         "device": device.type,
         # Timings on a shared machine are only as good as its quiet: the 1-minute load average
         # when the run started is kept with the results.

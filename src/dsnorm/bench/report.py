@@ -58,11 +58,68 @@ def _marked_ratio(case: dict, name: str, value: float) -> str:
             + (NOISY_MARK if case.get("dsnorm_speedup_noisy", {}).get(name) else ""))
 
 
+# How the C allocator treats a freed output of tens of MB, which the allocating rows' peers pay for.
+_ALLOCATOR_NOTES = {
+    "glibc": "glibc maps a block over 32 MiB afresh for every call and unmaps it when it is freed",
+    "jemalloc": "jemalloc returns freed blocks that large to the OS soon after",
+    "tcmalloc": "tcmalloc keeps freed blocks and hands them out again",
+}
+
+
+def _allocation_note(m: dict) -> list:
+    """What the allocating rows measure besides the kernels, for the run's allocator."""
+    name = m.get("allocator")
+    if m.get("device") != "cpu" or name is None:
+        return []
+    how = _ALLOCATOR_NOTES.get(name, f"{name}: how it recycles freed blocks is not known here")
+    return wrap(f"allocation ({name}): a peer's outputs of MBs come from the allocator ({how}; fresh pages are "
+                "faulted in and zeroed, inside its time); dsnorm's of 4 MiB or more from blocks it recycles "
+                "(dsnorm.empty_cache frees them)", "  ")
+
+
+def _allocation_split(result: dict) -> list:
+    """Each allocating fused case beside the in-place case of its rows: the in-place form moves the
+    same bytes into its inputs, so the difference is what fresh outputs cost. Shown where it
+    exceeds the spread of the two dsnorm rows (median - fastest call, the larger)."""
+    def dsnorm_row(case):
+        return next((p for p in case["providers"] if p["role"] == "dsnorm" and p["median_ms"] is not None), None)
+
+    def rows_width(case):
+        shape = case.get("shape") or [0]
+        return (max(1, _prod(shape[:-1])), shape[-1], case.get("dtype"))
+
+    in_place = {rows_width(c): c for c in result["cases"] if c.get("form") == "in-place" and dsnorm_row(c)}
+    lines = []
+    for case in result["cases"]:
+        partner = in_place.get(rows_width(case)) if case.get("form") == "fused" else None
+        a = dsnorm_row(case)
+        if partner is None or a is None or case.get("direction", "forward") != "forward":
+            continue
+        b = dsnorm_row(partner)
+        spread = max(a["median_ms"] - a["min_ms"], b["median_ms"] - b["min_ms"])
+        extra = a["median_ms"] - b["median_ms"]
+        if abs(extra) > spread:
+            lines += wrap(f"  {case['name']}: {_fmt_time(a['median_ms'])} = {_fmt_time(b['median_ms'])} in place "
+                          f"({partner['name']}) {'+' if extra > 0 else '-'} {_fmt_time(abs(extra))} for its fresh "
+                          f"outputs (spread {_fmt_time(spread)})", "      ")
+    return ["allocating against in place (the same bytes moved; the difference is the outputs):"] + lines \
+        if lines else []
+
+
+def _prod(values) -> int:
+    out = 1
+    for v in values:
+        out *= v
+    return out
+
+
 def _header(result: dict) -> list:
     m = result["machine"]
     where = f"{m['gpu']}, host " if m.get("gpu") else ""
+    alloc = f", allocator {m['allocator']}" if m.get("allocator") and m.get("device") == "cpu" else ""
     lines = wrap(f"dsnorm bench on {where}{m['cpu']} ({m['device']}, {m['threads']} threads, capability "
-                 f"{m['cpu_capability']}); torch {m['torch']}, numba {m['numba']}", "  ")
+                 f"{m['cpu_capability']}{alloc}); torch {m['torch']}, numba {m['numba']}", "  ")
+    lines += _allocation_note(m)
     samples = ", ".join(f"{g:.1f}" for g in result.get("copy_gbps_samples", ()))
     c = result.get("contention") or {}
     copy_mark = _copy_mark(result)
@@ -146,6 +203,7 @@ def _compact_body(result: dict) -> list:
                   "bandwidth (decode inputs stay in cache: it can pass 100); check: dsnorm against the reference "
                   "(every provider's fidelity with --full); vs X: time of X / time of dsnorm (> 1: dsnorm faster; "
                   f"vs the torch.add floor < 1 is expected); {labels}.")
+    lines += _allocation_split(result)
     missing = _not_timed(result)
     if missing:
         lines += ["not timed:"] + missing

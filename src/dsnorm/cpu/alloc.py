@@ -1,9 +1,15 @@
-"""Fresh CPU outputs (:func:`empty_output`): large ones on huge pages, mid-sized ones kept in glibc's
-heap between calls. Self-contained: torch and the C library only.
+"""Fresh CPU outputs (:func:`empty_output`): large ones on huge pages and recycled, mid-sized ones
+kept in glibc's heap between calls. Self-contained: torch, numpy and the C library only.
 
 * Huge pages: a fresh output of hundreds of MB costs more in first-touch page faults (4 KiB each)
   than the kernel costs in arithmetic. Where transparent huge pages are in "madvise" mode, advising
   the fresh buffer before its first touch lets the kernel fault it in 2 MiB pages.
+* Recycling: even in huge pages, a fresh mapping costs the OS's zeroing of every page on first
+  touch, and glibc and jemalloc hand blocks this large back to the OS when they are freed, so every
+  allocating call paid that zeroing again (tcmalloc keeps them, and there the call cost what it does
+  in recycled memory). Large outputs therefore come from blocks of dsnorm's own, and a block whose
+  output has been freed is kept, bounded, for the next output of its size: an allocating call then
+  costs about what the in-place form does, whatever the C allocator (docs/performance.md).
 * The heap: mid-sized outputs (64 KiB to 32 MiB) come from glibc's heap, not from mmap, once glibc
   has seen a freed block that large, and glibc hands the top of its heap back to the OS whenever
   more than its trim threshold (twice that block) lies free there. A fused call frees two or more
@@ -17,6 +23,10 @@ heap between calls. Self-contained: torch and the C library only.
 
 from __future__ import annotations
 
+import os
+import threading
+
+import numpy as np
 import torch
 
 _HUGE_PAGE = 2 << 20
@@ -56,19 +66,85 @@ def _prime_heap(nbytes: int) -> None:
         _primed_bytes = block
 
 
+class _Pool:
+    """The blocks of freed large outputs, kept for the next output of the same size.
+
+    At most ``MAX_BLOCKS`` blocks and ``MAX_BYTES`` in all (the oldest goes first): enough for the
+    outputs of two fused calls, which is what a model's chain of blocks frees and asks for again.
+    Blocks come back from whichever thread drops an output's last reference; :func:`empty_cache`
+    frees them all.
+    """
+
+    MAX_BLOCKS = 4
+    MAX_BYTES = 512 << 20
+
+    def __init__(self) -> None:
+        self._free: list = []  # (data size rounded to huge pages, allocation), oldest first
+        self._lock = threading.Lock()
+
+    def take(self, size: int):
+        with self._lock:
+            for i in range(len(self._free) - 1, -1, -1):
+                if self._free[i][0] == size:
+                    return self._free.pop(i)[1]
+        return None
+
+    def give(self, size: int, raw: torch.Tensor) -> None:
+        with self._lock:
+            self._free.append((size, raw))
+            while len(self._free) > self.MAX_BLOCKS or sum(s for s, _ in self._free) > self.MAX_BYTES:
+                del self._free[0]
+
+    def after_fork_in_child(self) -> None:
+        # Another thread may have held the lock when the process forked: the child's copy of it
+        # would never be released. The blocks themselves are the child's own copies.
+        self._lock = threading.Lock()
+
+    def clear(self) -> int:
+        with self._lock:
+            freed = sum(raw.nbytes for _, raw in self._free)
+            self._free.clear()
+        return freed
+
+
+_POOL = _Pool()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_POOL.after_fork_in_child)
+
+
+class _Block:
+    """One output's bytes as numpy sees them: the array made from it (which the output's storage
+    holds) keeps the allocation alive, and when that array goes, the allocation goes to the pool."""
+
+    __slots__ = ("raw", "size", "pool", "__array_interface__")
+
+    def __init__(self, raw: torch.Tensor, size: int, start: int, nbytes: int, pool: _Pool) -> None:
+        self.raw, self.size, self.pool = raw, size, pool
+        self.__array_interface__ = {"data": (start, False), "shape": (nbytes,), "typestr": "|u1", "version": 3}
+
+    def __del__(self) -> None:
+        self.pool.give(self.size, self.raw)
+
+
+def empty_cache() -> int:
+    """Free the memory of freed outputs that dsnorm keeps for reuse on the CPU (outputs of 4 MiB
+    or more: at most 4 blocks, 512 MiB in all). Returns the number of bytes freed."""
+    return _POOL.clear()
+
+
 def empty_output(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A fresh, contiguous, uninitialised CPU tensor of ``like``'s shape; large ones start on a
-    huge-page boundary and are advised for huge pages before their first touch.
+    huge-page boundary, in memory advised for huge pages or recycled from a freed output.
 
     glibc maps large allocations without 2 MiB alignment, so the unaligned head and tail of an
     advised plain allocation took 4 KiB pages, a large part of a large call's page faults. An
-    output of 4 MiB or more is therefore carved out of an allocation 2 MiB larger than the data,
-    on its first 2 MiB boundary. Only the whole huge pages of the data are advised (a partly used one would hold up
-    to 2 MiB more than the data). The output's storage is exactly its data, at offset 0 (made
-    through numpy, whose array keeps the allocation alive): torch.save, pickle and share_memory_
-    copy a tensor's whole storage, and with the allocation's storage they copied the 2 MiB of
-    slack too. Like that of any tensor made from numpy, such a storage cannot be resized:
-    ``resize_`` of the tensor to more elements raises (shrinking works), and so does
+    output of 4 MiB or more is therefore carved out of a block 2 MiB larger than its data rounded up
+    to whole huge pages, on the block's first 2 MiB boundary; only the data's whole huge pages are
+    advised (a partly used one would hold up to 2 MiB more than the data). The output's storage is
+    exactly its data, at offset 0 (made through numpy, whose array keeps the block alive):
+    torch.save, pickle and share_memory_ copy a tensor's whole storage, and with the block's storage
+    they copied the slack too. Like that of any tensor made from numpy, such a storage cannot be
+    resized: ``resize_`` of the tensor to more elements raises (shrinking works), and so does
     ``untyped_storage().resize_(0)`` (to free it early, drop the references or swap ``y.data``).
     """
     nbytes = like.numel() * dtype.itemsize
@@ -78,11 +154,16 @@ def empty_output(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if like.is_contiguous():
             return torch.empty_like(like) if like.dtype is dtype else torch.empty_like(like, dtype=dtype)
         return torch.empty(like.shape, dtype=dtype)
-    raw = torch.empty(nbytes + _HUGE_PAGE, dtype=torch.uint8)
+    size = -(-nbytes // _HUGE_PAGE) * _HUGE_PAGE
+    raw = _POOL.take(size)
+    fresh = raw is None
+    if fresh:
+        raw = torch.empty(size + _HUGE_PAGE, dtype=torch.uint8)
     base = raw.data_ptr()
     start = -(-base // _HUGE_PAGE) * _HUGE_PAGE
-    _madvise(start, nbytes // _HUGE_PAGE * _HUGE_PAGE, _MADV_HUGEPAGE)  # advice only: may be refused
-    data = raw.numpy()[start - base:start - base + nbytes]  # a numpy view: it holds raw
+    if fresh:
+        _madvise(start, nbytes // _HUGE_PAGE * _HUGE_PAGE, _MADV_HUGEPAGE)  # advice only: may be refused
+    data = np.asarray(_Block(raw, size, start, nbytes, _POOL))
     # set_ on the storage, not .view(dtype): the output is no view (no _base for autograd to
     # rebase in-place ops onto).
     return torch.empty(0, dtype=dtype).set_(torch.from_numpy(data).untyped_storage(), 0, like.shape)
