@@ -60,6 +60,39 @@ def test_lane_matches_reference(lane_only, dtype, shape):
                 assert bits_equal(xi, y_ref) and bits_equal(ri, res_ref)
 
 
+@pytest.mark.parametrize("wdtype", (torch.bfloat16, torch.float16))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 1, 1536), (64, 1, 7168), (1, 1, 9000), (3, 111)])
+def test_lane_widens_a_narrow_gain(lane_only, dtype, wdtype, shape):
+    # vLLM keeps gains in the model's dtype: the functions widen one exactly, and so does the lane
+    # (no general path runs), for every form, both casts, strided rows and an fp32 residual stream.
+    n = shape[-1]
+    x, r, w = _data(shape, dtype, 21), _data(shape, dtype, 22), _weight(n).to(wdtype)
+    w32 = w.float()
+    with torch.no_grad():
+        for cast in ("deepseek", "hf"):
+            assert bits_equal(dsnorm.rms_norm(x, w, cast=cast), rms_norm_ref(x, w32, cast=cast))
+            xs = _data((*shape[:-1], n + 3), dtype, 24)[..., 3:]  # rows with a stride
+            assert bits_equal(dsnorm.rms_norm(xs, w, cast=cast), rms_norm_ref(xs, w32, cast=cast))
+            for rdt in (None, torch.float32):
+                got = dsnorm.fused_add_rms_norm(x, r, w, cast=cast, residual_dtype=rdt)
+                want = fused_add_rms_norm_ref(x, r, w32, cast=cast, residual_dtype=rdt)
+                assert all(map(bits_equal, got, want))
+            xi, ri = x.clone(), r.clone()
+            dsnorm.fused_add_rms_norm_(xi, ri, w, cast=cast)
+            assert all(map(bits_equal, (xi, ri), fused_add_rms_norm_ref(x, r, w32, cast=cast)))
+        norm = dsnorm.RMSNorm(n).to(wdtype)
+        norm.weight.copy_(w)
+        assert bits_equal(norm(x), rms_norm_ref(x, w32))
+
+
+def test_ops_refuse_a_narrow_gain_the_functions_widen():
+    # The op's schema takes the compute-dtype gain: its lane declines a bf16 one, and the check names it.
+    x, w = _data((2, 64), torch.bfloat16, 23), _weight(64).to(torch.bfloat16)
+    with torch.no_grad(), pytest.raises(TypeError, match="weight must be torch.float32"):
+        torch.ops.dsnorm.rms_norm(x, w, 1e-6, "deepseek")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 8, 200])  # 200 x 512 rows: past the serial kernel's size
 def test_lane_strided_rows(lane_only, dtype, rows):

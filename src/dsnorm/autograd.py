@@ -424,7 +424,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = EPS, *, cast: s
     """
     lane = None if _is_compiling() else ops.lane  # see _is_compiling's comment
     if lane is not None:
-        y = lane(_PLAIN, x, None, weight, eps, cast, None, None)
+        y = lane(_PLAIN, x, None, weight, eps, cast, None, None, True)
         if y is not None:
             return y
     return _rms_norm(x, weight, eps, cast)
@@ -485,7 +485,7 @@ def fused_add_rms_norm(
     """
     lane = None if _is_compiling() else ops.lane
     if lane is not None:
-        out = lane(_FUSED, x, residual, weight, eps, cast, residual_rounding, residual_dtype)
+        out = lane(_FUSED, x, residual, weight, eps, cast, residual_rounding, residual_dtype, True)
         if out is not None:
             return out
     return _fused_add_rms_norm(x, residual, weight, eps, cast, residual_rounding, residual_dtype)
@@ -542,7 +542,7 @@ def fused_add_rms_norm_(
     """
     lane = None if _is_compiling() else ops.lane
     if lane is not None:
-        out = lane(_INPLACE, x, residual, weight, eps, cast, residual_rounding, residual_dtype)
+        out = lane(_INPLACE, x, residual, weight, eps, cast, residual_rounding, residual_dtype, True)
         if out is not None:
             _increment_version(out)  # what the dispatcher does for a mutating op
             return out

@@ -116,7 +116,7 @@ class RMSNorm(nn.Module):
                 weight = self._parameters.get("weight")
                 out = lane(
                     _PLAIN if residual is None else _FUSED, args[0], residual, weight, self.eps, self.cast,
-                    self.residual_rounding, self.residual_dtype,
+                    self.residual_rounding, self.residual_dtype, True,
                 )
                 if out is not None:
                     return out

@@ -199,6 +199,12 @@ _STACK_SCRATCH = 2048 + ACC_SLOTS
 
 
 @kernel()
+def widen_gain(n, code, src_addr, dst_addr):
+    # A bf16/fp16 gain widened, exactly, into an fp32 row (the lane's copy of a narrow weight).
+    load_row(src_addr, 0, code, ptr_f32(dst_addr), n, False)
+
+
+@kernel()
 def decode32(rows, n, code, x_addr, x_stride, res_addr, w_addr, y_addr, rout_addr, eps, cast_hf, round_first):
     # Rows of one dtype, all contiguous but x's: the serial kernel with a third of the arguments
     # (unboxing each one is a noticeable part of a decode norm). The scratch row of a narrow call

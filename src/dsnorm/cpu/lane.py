@@ -12,12 +12,14 @@ decode sizes the dispatcher's type resolution costs about as much as the kernel.
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import torch
 
 from dsnorm.cpu.alloc import PRIME_MIN_BYTES, empty_output
 from dsnorm.cpu.intrinsics import BF16, F16, F32
-from dsnorm.cpu.kernels import decode32
+from dsnorm.cpu.kernels import decode32, widen_gain
 from dsnorm.cpu.launch import forward, run_parallel
 from dsnorm.cpu.runtime import SERIAL_NUMEL, run, threads_for
 from dsnorm.dispatch import PLAIN_TYPES as _PLAIN_TYPES
@@ -31,8 +33,10 @@ from dsnorm.spec import WIDENED_RESIDUALS as _WIDENED_RESIDUALS
 from dsnorm.spec import Form
 
 _DECODE_CODES = {torch.bfloat16: BF16, torch.float16: F16, torch.float32: F32}
+_NARROW_GAINS = {torch.bfloat16: BF16, torch.float16: F16}
 _F32 = torch.float32
 _decode_entry = None
+_widen_entry = None
 
 
 def _compile_decode():
@@ -45,6 +49,30 @@ def _compile_decode():
     return _decode_entry
 
 
+def _compile_widen():
+    global _widen_entry
+    w = np.ones(1, dtype=np.float32)
+    run(widen_gain, None, 1, F32, w.ctypes.data, w.ctypes.data)
+    _widen_entry = next(iter(widen_gain.overloads.values())).entry_point
+    return _widen_entry
+
+
+# A narrow gain (vLLM keeps its gains in the model's dtype) is widened, exactly, into a row of this
+# thread's: what the functions' general path does with weight.to(float32), without its allocation
+# and dispatch. The row is read only by the call that filled it (kernels run to completion first).
+_gain_rows = threading.local()
+
+
+def _widened(w_addr, w_code, n):
+    """The address of this thread's fp32 row holding the gain at ``w_addr`` widened, and the row."""
+    row = getattr(_gain_rows, "row", None)
+    if row is None or row[2] < n:
+        t = torch.empty(max(n, 8192), dtype=_F32)
+        row = _gain_rows.row = (t, t.data_ptr(), t.numel())
+    (_widen_entry or _compile_widen())(n, w_code, w_addr, row[1])
+    return row[0], row[1]
+
+
 _is_grad_enabled = torch.is_grad_enabled
 _inference_mode_enabled = torch.is_inference_mode_enabled
 _STRIDED = torch.strided
@@ -52,14 +80,16 @@ _TENSOR, _PARAMETER = _PLAIN_TYPES
 PLAIN, FUSED, INPLACE = Form.PLAIN, Form.FUSED, Form.INPLACE
 
 
-def lane(form, x, residual, weight, eps, cast, residual_rounding, residual_dtype):
+def lane(form, x, residual, weight, eps, cast, residual_rounding, residual_dtype, narrow_weight=False):
     """The result of a call that needs only the kernel, or None (then the general path runs).
 
     ``form`` (a :class:`dsnorm.spec.Form`) is PLAIN (returns ``y``; residual and its options are
     ignored), FUSED (``(y, residual_out)``) or INPLACE (``(x, residual)``, written; a caller that
     bypasses the dispatcher bumps their version counters, as the dispatcher would). Accepted: plain
     CPU tensors of one dtype (bf16/fp16/fp32; FUSED also takes a residual of another of them, and
-    ``residual_dtype=torch.float32``), an fp32 weight, valid options; contiguous rows, or outside
+    ``residual_dtype=torch.float32``), an fp32 weight (or, with ``narrow_weight``, which the
+    functions and the module pass as they widen a bf16/fp16 gain exactly and the ops refuse one, a
+    bf16/fp16 weight, widened the same way), valid options; contiguous rows, or outside
     INPLACE rows of x with one stride between them (the kv_norm slice). Calls below the serial
     size go straight to the decode kernel's entry point and larger ones to its threaded form,
     except FUSED calls with strided x or mixed dtypes, which go to ``forward``. Nothing is taken
@@ -83,8 +113,13 @@ def lane(form, x, residual, weight, eps, cast, residual_rounding, residual_dtype
         return None
     dtype = x.dtype
     code = _DECODE_CODES.get(dtype)
-    if code is None or weight.dtype is not _F32 or type(eps) is not float or not _EPS_MIN <= eps <= _EPS_MAX:
+    if code is None or type(eps) is not float or not _EPS_MIN <= eps <= _EPS_MAX:
         return None
+    w_code = None
+    if weight.dtype is not _F32:
+        w_code = _NARROW_GAINS.get(weight.dtype) if narrow_weight else None
+        if w_code is None:
+            return None
     cast_hf = _CASTS_HF.get(cast) if type(cast) is str else None
     if cast_hf is None or not (x.is_cpu and weight.is_cpu) or x.layout is not _STRIDED:
         return None
@@ -105,6 +140,8 @@ def lane(form, x, residual, weight, eps, cast, residual_rounding, residual_dtype
         w_addr = weight.data_ptr()  # raises for a weight of another layout
     except RuntimeError:
         return None
+    if w_code is not None:
+        w_row, w_addr = _widened(w_addr, w_code, n)
     small = numel < SERIAL_NUMEL
     nbytes = numel * (4 if code == F32 else 2)
     # Outputs below the heap primer's size need none of empty_output's care.
@@ -160,7 +197,8 @@ def lane(form, x, residual, weight, eps, cast, residual_rounding, residual_dtype
         else:
             # Strided rows of x, or dtypes that differ (an fp32 residual stream): the kernels that
             # take a stride and a dtype per tensor, still well short of the general path at decode.
-            forward(x, residual, weight, eps, cast_hf, round_first, y, residual_out, None)
+            forward(x, residual, weight if w_code is None else w_row[:n], eps, cast_hf, round_first, y, residual_out,
+                    None)
         return y, residual_out
     w_end = w_addr + 4 * n  # the weight is read while x and residual are written: apart from both
     if not ((x_addr + nbytes <= r_addr or r_addr + nbytes <= x_addr) and (w_end <= x_addr or x_addr + nbytes <= w_addr)

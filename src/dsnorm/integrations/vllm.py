@@ -59,13 +59,6 @@ def _cast(x: Tensor, weight: Tensor) -> str:
     return "hf" if weight.dtype == x.dtype else "deepseek"
 
 
-def _gain(weight: Tensor) -> Tensor:
-    # vLLM keeps gains in the model dtype; dsnorm's fast path reads fp32 ones, to which bf16/fp16
-    # widen exactly. Converted per call, not cached: vLLM hands ``weight.data``, a fresh tensor
-    # without the parameter's version counter, so an in-place weight update could not be seen.
-    return weight if weight.dtype == torch.float32 else weight.float()
-
-
 def _serves(x, weight, epsilon, variance_size) -> bool:
     """What dsnorm computes bit for bit as ``native`` does: a 1-D weight of x's width in x's dtype
     or fp32, bf16/fp16/fp32 x on a served device, no ``variance_size``, an eps dsnorm accepts."""
@@ -95,7 +88,7 @@ def rms_norm(x: Tensor, weight: Tensor | None, epsilon: float, variance_size: in
     ``x̂ = x * rsqrt(mean(x^2) + epsilon)`` in fp32. x: ``[..., n]`` (strided rows read in place)."""
     import dsnorm
 
-    return dsnorm.rms_norm(x, _gain(weight), epsilon, cast=_cast(x, weight))
+    return dsnorm.rms_norm(x, weight, epsilon, cast=_cast(x, weight))
 
 
 def fused_add_rms_norm(x: Tensor, x_residual: Tensor, weight: Tensor | None, epsilon: float,
@@ -105,7 +98,7 @@ def fused_add_rms_norm(x: Tensor, x_residual: Tensor, weight: Tensor | None, eps
     ``(x, x_residual)``. vLLM clones both first for the functional overload."""
     import dsnorm
 
-    return dsnorm.fused_add_rms_norm_(x, x_residual, _gain(weight), epsilon, cast=_cast(x, weight))
+    return dsnorm.fused_add_rms_norm_(x, x_residual, weight, epsilon, cast=_cast(x, weight))
 
 
 def register() -> None:
