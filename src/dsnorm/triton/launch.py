@@ -1,4 +1,4 @@
-"""Launchers for the Triton kernels, with the same contract as ``dsnorm.cpu``'s.
+"""Launchers for the Triton kernels, with the same contract as ``dsnorm.cpu.launch``'s.
 
 Callers (ops.py) have validated shapes and dtypes: every row tensor is 2-D ``[rows, n]`` with unit
 stride along the row and any row stride; ``weight`` is ``[n]`` contiguous in the compute dtype
@@ -11,10 +11,8 @@ Launch heuristics (no autotuning: the first call must not sweep configs):
   two passes). All DeepSeek widths (7168, 1536, 512) fit in one block.
 * ``num_warps`` (forward): ``2 ** floor((log2(BLOCK_N) - 7) / 2)``, so the elements a thread holds
   grow with the row (8 at 512 columns, 16 at 2048, 32 at 8192): 7168 -> 8 warps, 1536 -> 4,
-  512 -> 2. Measured on an H200 (benchmarks/gpu_configs.py, bf16, every power of two from 1 to 32
-  warps): this is the fastest or within 5% of it at 16384 rows, and within 5% at 1 and 64 rows
-  (decode latency under a CUDA graph), for all three widths; the earlier one-16-byte-vector-per-
-  thread rule (16 warps at 7168) was 14% slower for the fused [16384, 7168] forward.
+  512 -> 2: chosen on an H200 by benchmarks/gpu_configs.py over every power of two of warps, at
+  prefill and decode sizes (the numbers: docs/performance.md).
 * ``num_warps`` (backward): one 16-byte vector per thread per block (8 bf16/fp16, 4 fp32, 2 fp64
   elements), clamped to 1..16 warps, or 1..32 (CUDA; 16 on ROCm) for the plain backward of 16-bit
   rows, which keeps fewer row vectors live (x and dy against x, residual and dy): bf16 7168 -> 16
@@ -32,8 +30,8 @@ Launch heuristics (no autotuning: the first call must not sweep configs):
 * The launch parameters that depend on the shape, dtypes and flags only are computed once per such
   key (``_plans``): at decode sizes the launch's Python is a visible share of an eager call. On
   CUDA each plan also keeps the kernel Triton compiled for it (per device and argument
-  specialisation) and later launches call it directly (``DIRECT_LAUNCH``): 22 against 39 us for
-  the launcher on an H200's host.
+  specialisation) and later launches call it directly (``DIRECT_LAUNCH``), about half the
+  launcher's host time (docs/performance.md).
 * Backward row loop: the next row prefetched into registers (``BWD_PREFETCH``: 16-bit rows whose
   block is at least ``BWD_PREFETCH_MIN_BLOCK``, i.e. n > 2048); not software-pipelined (the
   kernel's ``NUM_STAGES`` is 1: benchmarks/bwd_stages.py launches it pipelined, and
@@ -326,7 +324,7 @@ def empty_output(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def forward(x, residual, weight, eps, cast_hf, round_first, y, residual_out, rstd) -> None:
     """y = weight * s * rsqrt(mean(s^2) + eps), s = x (+ residual); residual_out = s; rstd saved.
 
-    Tensors of any leading shape whose rows have one stride (the interface of ``dsnorm.cpu``);
+    Tensors of any leading shape whose rows have one stride (the interface of ``dsnorm.cpu.launch``);
     launched as 2-D.
     """
     forward_2d(_rows(x), _rows(residual), weight, eps, cast_hf, round_first, _rows(y), _rows(residual_out),
