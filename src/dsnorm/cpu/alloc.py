@@ -23,6 +23,7 @@ kept in glibc's heap between calls. Self-contained: torch, numpy and the C libra
 
 from __future__ import annotations
 
+import collections
 import os
 import threading
 
@@ -71,8 +72,10 @@ class _Pool:
 
     At most ``MAX_BLOCKS`` blocks and ``MAX_BYTES`` in all (the oldest goes first): enough for the
     outputs of two fused calls, which is what a model's chain of blocks frees and asks for again.
-    Blocks come back from whichever thread drops an output's last reference; :func:`empty_cache`
-    frees them all.
+    :func:`empty_cache` frees them all. A block comes back from whichever thread drops an output's
+    last reference, and also from the garbage collector, which may run inside any allocation,
+    this pool's own included, while its lock is held: so a returned block is only appended to
+    ``_returned`` (atomic, no lock), and moved into the pool under the lock by whoever holds it next.
     """
 
     MAX_BLOCKS = 4
@@ -80,20 +83,31 @@ class _Pool:
 
     def __init__(self) -> None:
         self._free: list = []  # (data size rounded to huge pages, allocation), oldest first
+        self._returned: collections.deque = collections.deque()
         self._lock = threading.Lock()
+
+    def _settle(self) -> None:
+        # Under the lock. A block returned meanwhile (the GC, another thread) waits for the next call.
+        while self._returned:
+            self._free.append(self._returned.popleft())
+        while len(self._free) > self.MAX_BLOCKS or sum(s for s, _ in self._free) > self.MAX_BYTES:
+            del self._free[0]
 
     def take(self, size: int):
         with self._lock:
+            self._settle()
             for i in range(len(self._free) - 1, -1, -1):
                 if self._free[i][0] == size:
                     return self._free.pop(i)[1]
         return None
 
     def give(self, size: int, raw: torch.Tensor) -> None:
-        with self._lock:
-            self._free.append((size, raw))
-            while len(self._free) > self.MAX_BLOCKS or sum(s for s, _ in self._free) > self.MAX_BYTES:
-                del self._free[0]
+        self._returned.append((size, raw))
+        if self._lock.acquire(blocking=False):  # else its holder settles it, or the next call does
+            try:
+                self._settle()
+            finally:
+                self._lock.release()
 
     def after_fork_in_child(self) -> None:
         # Another thread may have held the lock when the process forked: the child's copy of it
@@ -102,6 +116,7 @@ class _Pool:
 
     def clear(self) -> int:
         with self._lock:
+            self._settle()
             freed = sum(raw.nbytes for _, raw in self._free)
             self._free.clear()
         return freed
