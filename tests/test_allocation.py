@@ -81,7 +81,7 @@ def test_pool_is_bounded_and_empty_cache_releases_it():
     outs = [dsnorm.rms_norm(x, w) for _ in range(6)]
     del outs  # six freed blocks of one size: the pool keeps four
     one = dsnorm.empty_cache()
-    assert one > 0 and one % 4 == 0
+    assert one > 0
     outs = [dsnorm.rms_norm(x, w)]
     del outs
     assert dsnorm.empty_cache() * 4 == one  # a block is a quarter of what four were
@@ -152,7 +152,8 @@ def test_an_output_freed_while_the_pool_is_busy():
         print("ok")
     """)
     try:
-        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+        # The kernels are compiled before the lock is taken: a hang after that is the pool's.
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     except subprocess.TimeoutExpired:
-        pytest.fail("freeing an output while the pool's lock was held deadlocked")
-    assert out.returncode == 0 and out.stdout.split()[-1] == "ok", out.stderr[-3000:]
+        pytest.fail("no answer in 600 s: freeing an output while the pool's lock was held deadlocks")
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]

@@ -9,7 +9,7 @@ import torch
 
 from dsnorm.autograd import fused_add_rms_norm, fused_add_rms_norm_, rms_norm
 from dsnorm.checkpoint import load_norms
-from dsnorm.cpu.alloc import empty_cache
+from dsnorm.memory import empty_cache
 from dsnorm.fusions import final_norm, fused_add_rms_norm_fp8, mla_latent_norms, rms_norm_fp8
 from dsnorm.module import RMSNorm
 from dsnorm.patching import patch

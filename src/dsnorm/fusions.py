@@ -543,7 +543,8 @@ def mla_latent_norms(
         ``(q_normed, kv_normed)``: new contiguous tensors ``[..., q_lora_rank]`` and
         ``[..., kv_lora_rank]`` in the inputs' dtype.
     """
-    if not _is_compiling():  # not under dynamo: see autograd._is_compiling
+    # Not under dynamo (see autograd._is_compiling); CPU tensors only: the lane's module loads numba.
+    if not _is_compiling() and isinstance(q_latent, torch.Tensor) and q_latent.is_cpu:
         out = (_mla_lane or _load_mla_lane())(q_latent, kv_a, q_weight, kv_weight, eps, cast)
         if out is not None:  # a decode call on the CPU that needs only the kernel
             return out

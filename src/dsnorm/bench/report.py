@@ -91,7 +91,9 @@ def _allocation_split(result: dict) -> list:
     in_place = {rows_width(c): c for c in result["cases"] if c.get("form") == "in-place" and dsnorm_row(c)}
     lines = []
     for case in result["cases"]:
-        partner = in_place.get(rows_width(case)) if case.get("form") == "fused" else None
+        # The core fused form only: a fusion of the same shape (fp8, final norm) does other work.
+        partner = in_place.get(rows_width(case)) if case.get("form") == "fused" and case.get("site") != "fusion" \
+            else None
         a = dsnorm_row(case)
         if partner is None or a is None or case.get("direction", "forward") != "forward":
             continue

@@ -59,18 +59,23 @@ def _compile_widen():
 
 # A narrow gain (vLLM keeps its gains in the model's dtype) is widened, exactly, into a row of this
 # thread's: what the functions' general path does with weight.to(float32), without its allocation
-# and dispatch. The row is read only by the call that filled it (kernels run to completion first).
+# and dispatch, for calls that go straight to the decode kernel's entry point. It is widened in the
+# kernel call's own arguments, with no Python in between that could run another call on this
+# thread (the GC's finalizers, a signal handler) and refill the row; larger calls, whose launcher
+# runs Python first, widen a copy of their own.
 _gain_rows = threading.local()
 
 
 def _widened(w_addr, w_code, n):
-    """The address of this thread's fp32 row holding the gain at ``w_addr`` widened, and the row."""
+    """The gain at ``w_addr`` (a bf16/fp16 code, else it is fp32 and returned as is) in fp32."""
+    if w_code is None:
+        return w_addr
     row = getattr(_gain_rows, "row", None)
-    if row is None or row[2] < n:
+    if row is None or row[1] < n:
         t = torch.empty(max(n, 8192), dtype=_F32)
-        row = _gain_rows.row = (t, t.data_ptr(), t.numel())
-    (_widen_entry or _compile_widen())(n, w_code, w_addr, row[1])
-    return row[0], row[1]
+        row = _gain_rows.row = (t.data_ptr(), t.numel(), t)
+    (_widen_entry or _compile_widen())(n, w_code, w_addr, row[0])
+    return row[0]
 
 
 _is_grad_enabled = torch.is_grad_enabled
@@ -140,9 +145,10 @@ def lane(form, x, residual, weight, eps, cast, residual_rounding, residual_dtype
         w_addr = weight.data_ptr()  # raises for a weight of another layout
     except RuntimeError:
         return None
-    if w_code is not None:
-        w_row, w_addr = _widened(w_addr, w_code, n)
     small = numel < SERIAL_NUMEL
+    if w_code is not None and not small:  # the threaded launcher runs Python first: a copy of its own
+        weight = weight.float()
+        w_addr, w_code = weight.data_ptr(), None
     nbytes = numel * (4 if code == F32 else 2)
     # Outputs below the heap primer's size need none of empty_output's care.
     plain_alloc = nbytes < PRIME_MIN_BYTES
@@ -151,10 +157,9 @@ def lane(form, x, residual, weight, eps, cast, residual_rounding, residual_dtype
             y = torch.empty_like(x) if contiguous else torch.empty(shape, dtype=dtype)
         else:
             y = empty_output(x, dtype)
-        (_decode_entry or _compile_decode() if small else _lane_parallel)(
-            numel // n, n, code, x_addr, n if contiguous else row_stride(x), 0, w_addr, y.data_ptr(), 0,
-            eps, cast_hf, False,
-        )
+        launch = _decode_entry or _compile_decode() if small else _lane_parallel
+        stride, y_addr = n if contiguous else row_stride(x), y.data_ptr()
+        launch(numel // n, n, code, x_addr, stride, 0, _widened(w_addr, w_code, n), y_addr, 0, eps, cast_hf, False)
         return y
     # The residual: x's shape, contiguous, on the CPU; x's dtype, or in the out-of-place form any
     # of the widened ones (an fp32 stream beside a bf16 x). Every refusal takes the general path,
@@ -192,21 +197,27 @@ def lane(form, x, residual, weight, eps, cast, residual_rounding, residual_dtype
             y = empty_output(x, dtype)
             residual_out = empty_output(x, out_dtype)
         if contiguous and r_dtype is dtype and out_dtype is dtype:
-            launch(numel // n, n, code, x_addr, n, r_addr, w_addr, y.data_ptr(), residual_out.data_ptr(), eps,
+            y_addr, rout_addr = y.data_ptr(), residual_out.data_ptr()
+            launch(numel // n, n, code, x_addr, n, r_addr, _widened(w_addr, w_code, n), y_addr, rout_addr, eps,
                    cast_hf, round_first)
         else:
             # Strided rows of x, or dtypes that differ (an fp32 residual stream): the kernels that
             # take a stride and a dtype per tensor, still well short of the general path at decode.
-            forward(x, residual, weight if w_code is None else w_row[:n], eps, cast_hf, round_first, y, residual_out,
-                    None)
+            # forward's own Python runs before its kernel: a narrow gain gets a copy of its own.
+            forward(x, residual, weight if w_code is None else weight.float(), eps, cast_hf, round_first, y,
+                    residual_out, None)
         return y, residual_out
-    w_end = w_addr + 4 * n  # the weight is read while x and residual are written: apart from both
-    if not ((x_addr + nbytes <= r_addr or r_addr + nbytes <= x_addr) and (w_end <= x_addr or x_addr + nbytes <= w_addr)
-            and (w_end <= r_addr or r_addr + nbytes <= w_addr)):
+    # An fp32 weight is read while x and residual are written: apart from both (a narrow one is
+    # widened into the row first, as the general path widens it into a new tensor).
+    w_end = w_addr + 4 * n
+    if not ((x_addr + nbytes <= r_addr or r_addr + nbytes <= x_addr)
+            and (w_code is not None or ((w_end <= x_addr or x_addr + nbytes <= w_addr)
+                                        and (w_end <= r_addr or r_addr + nbytes <= w_addr)))):
         return None
     if not _inference_mode_enabled() and (x.is_inference() or residual.is_inference()):
         return None  # torch writes an inference tensor only in inference mode: the general path says so
-    launch(numel // n, n, code, x_addr, n, r_addr, w_addr, x_addr, r_addr, eps, cast_hf, round_first)
+    launch(numel // n, n, code, x_addr, n, r_addr, _widened(w_addr, w_code, n), x_addr, r_addr, eps, cast_hf,
+           round_first)
     return x, residual
 
 
