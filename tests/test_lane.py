@@ -2,6 +2,7 @@
 general path, and they step aside for everything the general path exists for (autograd,
 dispatch modes, hooks, bad arguments)."""
 
+import signal
 import subprocess
 import sys
 import textwrap
@@ -84,6 +85,38 @@ def test_lane_widens_a_narrow_gain(lane_only, dtype, wdtype, shape):
         norm = dsnorm.RMSNorm(n).to(wdtype)
         norm.weight.copy_(w)
         assert bits_equal(norm(x), rms_norm_ref(x, w32))
+
+
+@pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs POSIX interval timers")
+@pytest.mark.parametrize("n_nested", (7168, 9000))  # 9000: past the row's first size, a new row
+def test_a_call_from_a_signal_handler_keeps_the_narrow_gain_of_the_call_it_interrupts(n_nested):
+    # Python runs signal handlers (and, from 3.12, the GC's finalizers) between two bytecodes: one
+    # that runs a norm on the same thread in the middle of a lane call must not leave that call
+    # with its own widened gain (or a freed row).
+    x, w = torch.ones(1, 7168, dtype=torch.bfloat16), torch.ones(7168, dtype=torch.bfloat16)
+    x2, w2 = torch.ones(1, n_nested, dtype=torch.bfloat16), torch.full((n_nested,), 3.0, dtype=torch.bfloat16)
+    want = rms_norm_ref(x, w.float())
+    handled = []
+
+    def handler(*_):
+        handled.append(dsnorm.rms_norm(x2, w2))
+
+    with torch.no_grad():  # compiled and loaded first: a handler slower than the timer never returns
+        dsnorm.rms_norm(x, w), handler()
+    handled.clear()
+    previous = signal.signal(signal.SIGALRM, handler)
+    wrong = 0
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 1e-4, 1e-4)
+        with torch.no_grad():
+            for _ in range(20000):
+                wrong += not bits_equal(dsnorm.rms_norm(x, w), want)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert len(handled) > 100, "too few signals arrived to test anything"
+    assert wrong == 0, f"{wrong} of 20000 calls used the interrupting call's gain"
+    assert bits_equal(handled[-1], rms_norm_ref(x2, w2.float()))
 
 
 def test_ops_refuse_a_narrow_gain_the_functions_widen():

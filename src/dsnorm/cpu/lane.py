@@ -3,9 +3,10 @@ try (:func:`lane`; :func:`mla_lane` for the MLA pair), and the decode kernel's e
 
 A lane proves, in one attribute pass, what the general path would establish step by step: no
 gradient to record, no compile/functorch/mode/tracing in effect (so the op's implementation is what
-the dispatcher would run), tensor types, dtypes, shapes, devices, an fp32 weight and valid options;
-then it allocates and calls the kernel. It only *recognises*: anything else (a bad argument
-included) returns None and goes the general way, where every error is raised. A decode norm is then
+the dispatcher would run), tensor types, dtypes, shapes, devices, an fp32 weight (or a bf16/fp16
+one the functions widen) and valid options; then it allocates and calls the kernel. It only
+*recognises*: anything else (a bad argument included) returns None and goes the general way, where
+every error is raised. A decode norm is then
 one attribute pass, one allocation and the kernel, called through its compiled entry point: at
 decode sizes the dispatcher's type resolution costs about as much as the kernel.
 """
@@ -59,23 +60,24 @@ def _compile_widen():
 
 # A narrow gain (vLLM keeps its gains in the model's dtype) is widened, exactly, into a row of this
 # thread's: what the functions' general path does with weight.to(float32), without its allocation
-# and dispatch, for calls that go straight to the decode kernel's entry point. It is widened in the
-# kernel call's own arguments, with no Python in between that could run another call on this
-# thread (the GC's finalizers, a signal handler) and refill the row; larger calls, whose launcher
-# runs Python first, widen a copy of their own.
+# and dispatch, for calls that go straight to the decode kernel's entry point (larger calls widen a
+# copy of their own). The row is taken out of the thread's slot for the call and put back after
+# the kernel: Python can run between the two (a signal handler, the GC's finalizers), and another
+# call it makes on this thread then widens into a row of its own instead of overwriting this one.
 _gain_rows = threading.local()
 
 
-def _widened(w_addr, w_code, n):
-    """The gain at ``w_addr`` (a bf16/fp16 code, else it is fp32 and returned as is) in fp32."""
-    if w_code is None:
-        return w_addr
+def _take_gain_row(w_addr, w_code, n):
+    """This thread's row (``(address, length, tensor)``) holding the gain at ``w_addr`` (bf16/fp16
+    ``w_code``) widened; the caller gives it back with ``_gain_rows.row = row`` after its kernel."""
     row = getattr(_gain_rows, "row", None)
     if row is None or row[1] < n:
         t = torch.empty(max(n, 8192), dtype=_F32)
-        row = _gain_rows.row = (t.data_ptr(), t.numel(), t)
+        row = (t.data_ptr(), t.numel(), t)
+    else:
+        _gain_rows.row = None
     (_widen_entry or _compile_widen())(n, w_code, w_addr, row[0])
-    return row[0]
+    return row
 
 
 _is_grad_enabled = torch.is_grad_enabled
@@ -146,7 +148,7 @@ def lane(form, x, residual, weight, eps, cast, residual_rounding, residual_dtype
     except RuntimeError:
         return None
     small = numel < SERIAL_NUMEL
-    if w_code is not None and not small:  # the threaded launcher runs Python first: a copy of its own
+    if w_code is not None and not small:  # widened into a copy of the call's own
         weight = weight.float()
         w_addr, w_code = weight.data_ptr(), None
     nbytes = numel * (4 if code == F32 else 2)
@@ -158,8 +160,13 @@ def lane(form, x, residual, weight, eps, cast, residual_rounding, residual_dtype
         else:
             y = empty_output(x, dtype)
         launch = _decode_entry or _compile_decode() if small else _lane_parallel
-        stride, y_addr = n if contiguous else row_stride(x), y.data_ptr()
-        launch(numel // n, n, code, x_addr, stride, 0, _widened(w_addr, w_code, n), y_addr, 0, eps, cast_hf, False)
+        stride = n if contiguous else row_stride(x)
+        if w_code is None:
+            launch(numel // n, n, code, x_addr, stride, 0, w_addr, y.data_ptr(), 0, eps, cast_hf, False)
+        else:
+            row = _take_gain_row(w_addr, w_code, n)
+            launch(numel // n, n, code, x_addr, stride, 0, row[0], y.data_ptr(), 0, eps, cast_hf, False)
+            _gain_rows.row = row
         return y
     # The residual: x's shape, contiguous, on the CPU; x's dtype, or in the out-of-place form any
     # of the widened ones (an fp32 stream beside a bf16 x). Every refusal takes the general path,
@@ -196,19 +203,22 @@ def lane(form, x, residual, weight, eps, cast, residual_rounding, residual_dtype
         else:
             y = empty_output(x, dtype)
             residual_out = empty_output(x, out_dtype)
-        if contiguous and r_dtype is dtype and out_dtype is dtype:
-            y_addr, rout_addr = y.data_ptr(), residual_out.data_ptr()
-            launch(numel // n, n, code, x_addr, n, r_addr, _widened(w_addr, w_code, n), y_addr, rout_addr, eps,
-                   cast_hf, round_first)
-        else:
+        if not (contiguous and r_dtype is dtype and out_dtype is dtype):
             # Strided rows of x, or dtypes that differ (an fp32 residual stream): the kernels that
             # take a stride and a dtype per tensor, still well short of the general path at decode.
-            # forward's own Python runs before its kernel: a narrow gain gets a copy of its own.
             forward(x, residual, weight if w_code is None else weight.float(), eps, cast_hf, round_first, y,
                     residual_out, None)
+        elif w_code is None:
+            launch(numel // n, n, code, x_addr, n, r_addr, w_addr, y.data_ptr(), residual_out.data_ptr(), eps,
+                   cast_hf, round_first)
+        else:
+            row = _take_gain_row(w_addr, w_code, n)
+            launch(numel // n, n, code, x_addr, n, r_addr, row[0], y.data_ptr(), residual_out.data_ptr(), eps,
+                   cast_hf, round_first)
+            _gain_rows.row = row
         return y, residual_out
-    # An fp32 weight is read while x and residual are written: apart from both (a narrow one is
-    # widened into the row first, as the general path widens it into a new tensor).
+    # An fp32 weight is read while x and residual are written: apart from both (a narrow one is read
+    # only widened, into a row or copy of the call's own, as the general path widens it).
     w_end = w_addr + 4 * n
     if not ((x_addr + nbytes <= r_addr or r_addr + nbytes <= x_addr)
             and (w_code is not None or ((w_end <= x_addr or x_addr + nbytes <= w_addr)
@@ -216,8 +226,12 @@ def lane(form, x, residual, weight, eps, cast, residual_rounding, residual_dtype
         return None
     if not _inference_mode_enabled() and (x.is_inference() or residual.is_inference()):
         return None  # torch writes an inference tensor only in inference mode: the general path says so
-    launch(numel // n, n, code, x_addr, n, r_addr, _widened(w_addr, w_code, n), x_addr, r_addr, eps, cast_hf,
-           round_first)
+    if w_code is None:
+        launch(numel // n, n, code, x_addr, n, r_addr, w_addr, x_addr, r_addr, eps, cast_hf, round_first)
+    else:
+        row = _take_gain_row(w_addr, w_code, n)
+        launch(numel // n, n, code, x_addr, n, r_addr, row[0], x_addr, r_addr, eps, cast_hf, round_first)
+        _gain_rows.row = row
     return x, residual
 
 
