@@ -201,8 +201,8 @@ def _compact_body(result: dict) -> list:
                              keep=1, right=[False] + [True] * len(names))
     lines.append("")
     labels = ", ".join(f"{short} = {name}" for name, short in _SHORT.items() if name in peers)
-    lines += wrap("dsnorm: median time per call, and its GB/s (byte model: bench.case_bytes) as a share of the copy "
-                  "bandwidth (decode inputs stay in cache: it can pass 100); check: dsnorm against the reference "
+    lines += wrap("dsnorm: median time per call, and its GB/s (byte model: dsnorm.bench.cases.case_bytes) as a "
+                  "share of the copy bandwidth (decode inputs stay in cache: it can pass 100); check: dsnorm against the reference "
                   "(every provider's fidelity with --full); vs X: time of X / time of dsnorm (> 1: dsnorm faster; "
                   f"vs the torch.add floor < 1 is expected); {labels}.")
     lines += _allocation_split(result)
@@ -278,8 +278,8 @@ def _full_body(result: dict, red: str, reset: str) -> list:
                 text = red + text + "  <-- FAIL" + reset
             lines.append(text)
     lines.append("")
-    lines.append("GB/s counts the bytes of the byte model (bench.case_bytes); decode-sized inputs stay in cache, so")
-    lines.append("their %copy (copy bandwidth is a DRAM figure) can exceed 100.")
+    lines.append("GB/s counts the bytes of the byte model (dsnorm.bench.cases.case_bytes); decode-sized inputs")
+    lines.append("stay in cache, so their %copy (copy bandwidth is a DRAM figure) can exceed 100.")
     lines.append("dsnorm speedup (time of X / time of dsnorm; > 1: dsnorm faster; vs torch.add: < 1 is above the floor):")
     for case in result["cases"]:
         r = case["dsnorm_speedup"]

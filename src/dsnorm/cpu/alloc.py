@@ -75,7 +75,8 @@ class _Pool:
     :func:`empty_cache` frees them all. A block comes back from whichever thread drops an output's
     last reference, and also from the garbage collector, which may run inside any allocation,
     this pool's own included, while its lock is held: so a returned block is only appended to
-    ``_returned`` (atomic, no lock), and moved into the pool under the lock by whoever holds it next.
+    ``_returned`` (atomic, no lock), and moved into the pool under the lock by the next pool call
+    (take, give or clear).
     """
 
     MAX_BLOCKS = 4
