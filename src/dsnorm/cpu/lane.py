@@ -6,9 +6,9 @@ gradient to record, no compile/functorch/mode/tracing in effect (so the op's imp
 the dispatcher would run), tensor types, dtypes, shapes, devices, an fp32 weight (or a bf16/fp16
 one the functions widen) and valid options; then it allocates and calls the kernel. It only
 *recognises*: anything else (a bad argument included) returns None and goes the general way, where
-every error is raised. A decode norm is then
-one attribute pass, one allocation and the kernel, called through its compiled entry point: at
-decode sizes the dispatcher's type resolution costs about as much as the kernel.
+every error is raised. A decode norm is then one attribute pass, one allocation and the kernel,
+called through its compiled entry point: at decode sizes the dispatcher's type resolution costs
+about as much as the kernel.
 """
 
 from __future__ import annotations
@@ -67,9 +67,10 @@ def _compile_widen():
 _gain_rows = threading.local()
 
 
-def _take_gain_row(w_addr, w_code, n):
-    """This thread's row (``(address, length, tensor)``) holding the gain at ``w_addr`` (bf16/fp16
-    ``w_code``) widened; the caller gives it back with ``_gain_rows.row = row`` after its kernel."""
+def _launch_widened(launch, rows, n, code, x_addr, x_stride, res_addr, w_addr, w_code, y_addr, rout_addr, eps,
+                    cast_hf, round_first):
+    """``launch`` (the decode entry's arguments) with the gain at ``w_addr`` (bf16/fp16 ``w_code``)
+    widened into this thread's row, held out of the thread's slot until the kernel returns."""
     row = getattr(_gain_rows, "row", None)
     if row is None or row[1] < n:
         t = torch.empty(max(n, 8192), dtype=_F32)
@@ -77,7 +78,8 @@ def _take_gain_row(w_addr, w_code, n):
     else:
         _gain_rows.row = None
     (_widen_entry or _compile_widen())(n, w_code, w_addr, row[0])
-    return row
+    launch(rows, n, code, x_addr, x_stride, res_addr, row[0], y_addr, rout_addr, eps, cast_hf, round_first)
+    _gain_rows.row = row
 
 
 _is_grad_enabled = torch.is_grad_enabled
@@ -164,9 +166,8 @@ def lane(form, x, residual, weight, eps, cast, residual_rounding, residual_dtype
         if w_code is None:
             launch(numel // n, n, code, x_addr, stride, 0, w_addr, y.data_ptr(), 0, eps, cast_hf, False)
         else:
-            row = _take_gain_row(w_addr, w_code, n)
-            launch(numel // n, n, code, x_addr, stride, 0, row[0], y.data_ptr(), 0, eps, cast_hf, False)
-            _gain_rows.row = row
+            _launch_widened(launch, numel // n, n, code, x_addr, stride, 0, w_addr, w_code, y.data_ptr(), 0, eps,
+                            cast_hf, False)
         return y
     # The residual: x's shape, contiguous, on the CPU; x's dtype, or in the out-of-place form any
     # of the widened ones (an fp32 stream beside a bf16 x). Every refusal takes the general path,
@@ -212,10 +213,8 @@ def lane(form, x, residual, weight, eps, cast, residual_rounding, residual_dtype
             launch(numel // n, n, code, x_addr, n, r_addr, w_addr, y.data_ptr(), residual_out.data_ptr(), eps,
                    cast_hf, round_first)
         else:
-            row = _take_gain_row(w_addr, w_code, n)
-            launch(numel // n, n, code, x_addr, n, r_addr, row[0], y.data_ptr(), residual_out.data_ptr(), eps,
-                   cast_hf, round_first)
-            _gain_rows.row = row
+            _launch_widened(launch, numel // n, n, code, x_addr, n, r_addr, w_addr, w_code, y.data_ptr(),
+                            residual_out.data_ptr(), eps, cast_hf, round_first)
         return y, residual_out
     # An fp32 weight is read while x and residual are written: apart from both (a narrow one is read
     # only widened, into a row or copy of the call's own, as the general path widens it).
@@ -229,9 +228,8 @@ def lane(form, x, residual, weight, eps, cast, residual_rounding, residual_dtype
     if w_code is None:
         launch(numel // n, n, code, x_addr, n, r_addr, w_addr, x_addr, r_addr, eps, cast_hf, round_first)
     else:
-        row = _take_gain_row(w_addr, w_code, n)
-        launch(numel // n, n, code, x_addr, n, r_addr, row[0], x_addr, r_addr, eps, cast_hf, round_first)
-        _gain_rows.row = row
+        _launch_widened(launch, numel // n, n, code, x_addr, n, r_addr, w_addr, w_code, x_addr, r_addr, eps, cast_hf,
+                        round_first)
     return x, residual
 
 
