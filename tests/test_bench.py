@@ -54,6 +54,7 @@ from dsnorm.bench.providers import (
     InputPool,
     Runner,
     find_vllm_so,
+    vllm_host_build,
 )
 from dsnorm.bench.report import CONTENDED_MARK, NOISY_MARK, format_table
 from dsnorm.bench.timing import QUICK, Settings, measure, settle
@@ -343,7 +344,7 @@ def test_output_onto_an_installed_vllm_extension_exits_2(tmp_path, monkeypatch):
 
     package = tmp_path / "vllm"
     package.mkdir()
-    so = package / "_C_AVX2.abi3.so"
+    so = package / (vllm_host_build() + ".abi3.so")  # the build vLLM loads on this host
     so.write_bytes(b"not an extension")
     spec = importlib.machinery.ModuleSpec("vllm", None, is_package=True)
     spec.submodule_search_locations = [str(package)]
@@ -365,6 +366,18 @@ def test_missing_or_broken_vllm_is_reported_not_fatal(tmp_path):
         (case,) = json.loads(path.read_text())["cases"]
         row = next(p for p in case["providers"] if p["name"] == VLLM)
         assert row["available"] is False and reason in row["reason"]
+
+
+@pytest.mark.parametrize("machine, avx512, bf16, build", [
+    ("x86_64", True, True, "_C"), ("x86_64", True, False, "_C_AVX512"), ("x86_64", False, False, "_C_AVX2"),
+    ("aarch64", False, False, "_C"),
+])
+def test_vllm_host_build_follows_vllms_rule(monkeypatch, machine, avx512, bf16, build):
+    # vllm.platforms.cpu.import_kernels: the bench's vLLM peer is the build vLLM would run here.
+    monkeypatch.setattr(providers.platform, "machine", lambda: machine)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: avx512)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: bf16)
+    assert vllm_host_build() == build
 
 
 def test_find_vllm_so_order(tmp_path, monkeypatch):

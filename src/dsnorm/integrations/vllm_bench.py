@@ -20,7 +20,7 @@ import os
 import torch
 
 from dsnorm.bench.cases import case_bytes
-from dsnorm.bench.providers import InputPool, Runner, Unavailable, _const, find_vllm_so
+from dsnorm.bench.providers import InputPool, Runner, Unavailable, _const, find_vllm_so, vllm_host_build
 from dsnorm.ref import EPS
 
 
@@ -30,13 +30,6 @@ def available() -> bool:
         return importlib.util.find_spec("vllm") is not None
     except (ImportError, ValueError):
         return False
-
-
-def host_build() -> str:
-    """The name of the CPU extension vLLM loads on this host (``vllm.platforms.cpu``'s rule)."""
-    if torch.cpu._is_avx512_supported():
-        return "_C" if torch.cpu._is_avx512_bf16_supported() else "_C_AVX512"
-    return "_C_AVX2"
 
 
 def _ir_ops():
@@ -121,7 +114,7 @@ def build_native_compiled(case, inp, ctx) -> Runner:
 def build_cpp(case, inp, ctx) -> Runner:
     if ctx.device.type != "cpu":
         raise Unavailable("vLLM's CPU extension runs on CPU only")
-    which = host_build()
+    which = vllm_host_build()
     cops = ctx.vllm_ops()  # the library the bench loaded (--vllm-so, $DSNORM_VLLM_SO or vLLM's)
     loaded = os.path.basename(find_vllm_so(getattr(ctx, "_vllm_so", None))[0] or "")
     note = f"vLLM loads {which} here" + ("" if loaded.startswith(which + ".") else f"; this is {loaded}")
