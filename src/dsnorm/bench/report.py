@@ -202,8 +202,8 @@ def _compact_body(result: dict) -> list:
     lines.append("")
     labels = ", ".join(f"{short} = {name}" for name, short in _SHORT.items() if name in peers)
     lines += wrap("dsnorm: median time per call, and its GB/s (byte model: dsnorm.bench.cases.case_bytes) as a "
-                  "share of the copy bandwidth (decode inputs stay in cache: it can pass 100); check: dsnorm against the reference "
-                  "(every provider's fidelity with --full); vs X: time of X / time of dsnorm (> 1: dsnorm faster; "
+                  "share of the copy bandwidth (decode inputs stay in cache: it can pass 100); check: dsnorm "
+                  "against the reference (every provider's fidelity with --full); vs X: time of X / time of dsnorm (> 1: dsnorm faster; "
                   f"vs the torch.add floor < 1 is expected); {labels}.")
     lines += _allocation_split(result)
     missing = _not_timed(result)
