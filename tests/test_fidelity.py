@@ -288,6 +288,44 @@ def test_nan_rounds_to_reference_bits():
     assert bits_equal(res, res_ref)
 
 
+def _bits(t):
+    return t.view(torch.int16).int() & 0xFFFF
+
+
+@pytest.mark.parametrize("width", [16, 61, 7168, 7171])
+@pytest.mark.parametrize("cast", ["deepseek", "hf"])
+def test_bf16_rounding_of_subnormals_and_nans_in_every_lane(width, cast):
+    # Where the CPU has AVX512-BF16, bf16 outputs are rounded 16 values at a time by an instruction
+    # that reads subnormal inputs as zero and keeps a NaN's sign and payload; such lanes must still
+    # get the scalar rule: subnormals rounded to nearest even, every NaN 0x7FC0. Each row puts the
+    # special value at another lane (and in the scalar tail of the odd widths).
+    rows = min(width, 24)
+    tiny = torch.tensor([3, 5, 0x7F, 0x8001], dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    x = _data((rows, width), torch.bfloat16, width)
+    r = _data((rows, width), torch.bfloat16, width + 1)
+    for i in range(rows):
+        lane = (i * 5 + 3) % width
+        x[i, lane], r[i, lane] = tiny[i % 4], tiny[(i + 1) % 4]  # a subnormal sum, kept by torch
+    # One huge element over small ones: the rest of that row's y are subnormal in fp32.
+    x[0], r[0] = x[0] * 1e-21, r[0] * 1e-21
+    x[0, 0], r[0, 0] = 1e19, 0
+    x[1, width // 2] = float("nan")
+    r[2, -1] = -float("nan")
+    w = _weight(width)
+    res_ref = (x.float() + r.float()).bfloat16()
+    for y, res in (dsnorm.fused_add_rms_norm(x, r, w, cast=cast),
+                   dsnorm.fused_add_rms_norm_(x.clone(), r.clone(), w, cast=cast)):
+        assert torch.equal(_bits(res)[~res_ref.isnan()], _bits(res_ref)[~res_ref.isnan()])
+        assert (_bits(res)[res_ref.isnan()] == 0x7FC0).all()
+        y_ref = fused_add_rms_norm_ref(x, r, w, cast=cast)[0]
+        assert bits_equal(y, y_ref)
+        assert (_bits(y)[y_ref.isnan()] == 0x7FC0).all() and y_ref[1:3].isnan().all()
+        assert ((y_ref[0, 1:] != 0) & (y_ref[0, 1:].float().abs() < 2 ** -126)).sum() > 0
+    y = dsnorm.rms_norm(x, w, cast=cast)
+    y_ref = rms_norm_ref(x, w, cast=cast)
+    assert bits_equal(y, y_ref) and (_bits(y)[y_ref.isnan()] == 0x7FC0).all()
+
+
 @pytest.mark.parametrize("shape", [(0, 7168), (2, 0, 512), (0,)])
 def test_empty_inputs(shape):
     n = shape[-1] if shape[-1] else 4

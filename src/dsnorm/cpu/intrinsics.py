@@ -178,3 +178,168 @@ def by_address(*signatures):
         return types.none(address, args), codegen
 
     return call
+
+
+# ---------------------------------------------------------------------------------------------
+# bf16 rows 16 values at a time, with AVX512-BF16's conversion where the target has it.
+#
+# The bit trick of f32_to_bf16 is seven vector operations per 16 values; AVX512-BF16's
+# VCVTNEPS2BF16 is one, with the same round-to-nearest-even on normal values and infinities. It
+# differs on the rest (it reads denormal inputs as zero, and keeps a NaN's sign and payload), so a
+# vector holding any of those takes the bit trick instead: the same bits as f32_to_bf16 for every
+# input. LLVM does not form the instruction from the scalar loop, so these loops are written as IR.
+
+
+def _target_features() -> str:
+    """The CPU features numba compiles for (its own rule: ``NUMBA_CPU_FEATURES``, else the host's);
+    they are part of its cache key, so a kernel cached for another CPU is not reused here."""
+    if numba.config.CPU_FEATURES is not None:
+        return numba.config.CPU_FEATURES
+    import llvmlite.binding as llvm
+
+    return llvm.get_host_cpu_features().flatten()
+
+
+BF16_CVT = "+avx512bf16" in _target_features().split(",")
+
+_I1, _I16, _I32 = ir.IntType(1), ir.IntType(16), ir.IntType(32)
+_V16F = ir.VectorType(ir.FloatType(), 16)
+_V16I = ir.VectorType(_I32, 16)
+_V16H = ir.VectorType(_I16, 16)
+
+
+class _BFloat(ir.types._BaseFloatType):
+    """LLVM's ``bfloat`` (llvmlite has no such type; the conversion intrinsic returns it)."""
+
+    null = "0.0"
+    intrinsic_name = "bf16"
+
+    def __str__(self):
+        return "bfloat"
+
+
+_BFloat._create_instance()
+
+
+def _splat(vec, value):
+    return ir.Constant(vec, [value] * vec.count)
+
+
+def _declare(module, name, ret, args):
+    try:
+        return module.get_global(name)
+    except KeyError:
+        return ir.Function(module, ir.FunctionType(ret, args), name=name)
+
+
+def _emit_widen16(builder, bits):
+    """<16 x i16> bf16 bits -> <16 x float>, exactly."""
+    return builder.bitcast(builder.shl(builder.zext(bits, _V16I), _splat(_V16I, 16)), _V16F)
+
+
+def _emit_round16(builder, value):
+    """<16 x float> -> <16 x i16>: f32_to_bf16 of each lane."""
+    u = builder.bitcast(value, _V16I)
+    cvt = _declare(builder.module, "llvm.x86.avx512bf16.cvtneps2bf16.512", ir.VectorType(_BFloat(), 16), [_V16F])
+    fpclass = _declare(builder.module, "llvm.x86.avx512.fpclass.ps.512", ir.VectorType(_I1, 16), [_V16F, _I32])
+    bits = cgutils.alloca_once_value(builder, builder.bitcast(builder.call(cvt, [value]), _V16H))
+    # 0xA1: quiet NaN, signalling NaN, denormal; the lanes where the instruction is not torch's rule.
+    special = builder.bitcast(builder.call(fpclass, [value, ir.Constant(_I32, 0xA1)]), _I16)
+    with builder.if_then(builder.icmp_unsigned("!=", special, ir.Constant(_I16, 0)), likely=False):
+        odd = builder.and_(builder.lshr(u, _splat(_V16I, 16)), _splat(_V16I, 1))
+        rounded = builder.lshr(builder.add(builder.add(u, _splat(_V16I, 0x7FFF)), odd), _splat(_V16I, 16))
+        nan = builder.fcmp_unordered("uno", value, value)
+        builder.store(builder.select(nan, _splat(_V16H, 0x7FC0), builder.trunc(rounded, _V16H)), bits)
+    return builder.load(bits)
+
+
+def _vec_at(builder, base, vec, index):
+    """A pointer to the vector of type ``vec`` at element ``index`` of the element pointer ``base``."""
+    return builder.bitcast(builder.gep(base, [index]), vec.as_pointer())
+
+
+def _bf16_row_loop(builder, n, body):
+    """Calls ``body(j)`` for j = 0, 16, ... below ``n`` rounded down to 16; returns that bound, the
+    first element left to the caller's scalar loop."""
+    end = builder.mul(builder.udiv(n, ir.Constant(n.type, 16)), ir.Constant(n.type, 16))
+    with cgutils.for_range_slice(builder, ir.Constant(n.type, 0), end, ir.Constant(n.type, 16)) as (j, _):
+        body(j)
+    return end
+
+
+def _fp32_row(row):
+    return isinstance(row, types.Array) and row.dtype == types.float32 and row.ndim == 1 and row.layout in "CA"
+
+
+@intrinsic
+def add_bf16_rows(typingctx, x_addr, r_addr, o_addr, buf, n, round_first):
+    """The vector part of the fused bf16 stage: for j below ``n`` rounded down to 16, ``s = x[j] +
+    r[j]`` widened, ``o[j] = f32_to_bf16(s)``, ``buf[j] = s`` (the rounded sum widened with
+    ``round_first``); x, r, o are bf16 rows at those addresses (o may be r). Returns where the
+    scalar loop must start: 0 without AVX512-BF16 or for a float64 ``buf``."""
+    if not isinstance(buf, types.Array):
+        return None
+    sig = types.intp(types.int64, types.int64, types.int64, buf, types.intp, types.boolean)
+
+    def codegen(context, builder, signature, args):
+        xa, ra, oa, buf_arg, n_arg, round_first_arg = args
+        if not (BF16_CVT and _fp32_row(signature.args[3])):
+            return ir.Constant(n_arg.type, 0)
+        data = context.make_array(signature.args[3])(context, builder, buf_arg).data
+        px, pr, po = (builder.inttoptr(a, _I16.as_pointer()) for a in (xa, ra, oa))
+
+        def body(j):
+            s = builder.fadd(_emit_widen16(builder, builder.load(_vec_at(builder, px, _V16H, j), align=2)),
+                             _emit_widen16(builder, builder.load(_vec_at(builder, pr, _V16H, j), align=2)))
+            bits = _emit_round16(builder, s)
+            builder.store(bits, _vec_at(builder, po, _V16H, j), align=2)
+            kept = builder.select(round_first_arg, _emit_widen16(builder, bits), s)
+            builder.store(kept, _vec_at(builder, data, _V16F, j), align=4)
+
+        return _bf16_row_loop(builder, n_arg, body)
+
+    return sig, codegen
+
+
+@intrinsic
+def scale_bf16_rows(typingctx, y_addr, buf, w_addr, rstd, n, cast_hf):
+    """The vector part of the bf16 output stage: for j below ``n`` rounded down to 16, ``y[j] =
+    f32_to_bf16(w[j] * (buf[j] * rstd))``, or with ``cast_hf`` ``f32_to_bf16(round(w[j]) *
+    round(buf[j] * rstd))`` (round: to bf16 and back); y a bf16 row, w an fp32 one. Returns where
+    the scalar loop must start: 0 without AVX512-BF16 or for a float64 ``buf``."""
+    if not isinstance(buf, types.Array):
+        return None
+    sig = types.intp(types.int64, buf, types.int64, rstd, types.intp, types.boolean)
+
+    def codegen(context, builder, signature, args):
+        ya, buf_arg, wa, rstd_arg, n_arg, cast_hf_arg = args
+        if not (BF16_CVT and _fp32_row(signature.args[1]) and signature.args[3] == types.float32):
+            return ir.Constant(n_arg.type, 0)
+        data = context.make_array(signature.args[1])(context, builder, buf_arg).data
+        py = builder.inttoptr(ya, _I16.as_pointer())
+        pw = builder.inttoptr(wa, ir.FloatType().as_pointer())
+        scale = builder.insert_element(ir.Constant(_V16F, None), rstd_arg, ir.Constant(_I32, 0))
+        scale = builder.shuffle_vector(scale, scale, ir.Constant(_V16I, [0] * 16))
+
+        def rounded(v):
+            return _emit_widen16(builder, _emit_round16(builder, v))
+
+        def body(j, hf):
+            xhat = builder.fmul(builder.load(_vec_at(builder, data, _V16F, j), align=4), scale)
+            w = builder.load(_vec_at(builder, pw, _V16F, j), align=4)
+            y = builder.fmul(rounded(w), rounded(xhat)) if hf else builder.fmul(w, xhat)
+            builder.store(_emit_round16(builder, y), _vec_at(builder, py, _V16H, j), align=2)
+
+        with builder.if_else(cast_hf_arg) as (then, otherwise):
+            with then:
+                end_hf = _bf16_row_loop(builder, n_arg, lambda j: body(j, True))
+                block_hf = builder.block
+            with otherwise:
+                end_ds = _bf16_row_loop(builder, n_arg, lambda j: body(j, False))
+                block_ds = builder.block
+        end = builder.phi(n_arg.type)
+        end.add_incoming(end_hf, block_hf)
+        end.add_incoming(end_ds, block_ds)
+        return end
+
+    return sig, codegen

@@ -33,7 +33,7 @@ from dsnorm.cpu.stages import load_row, load_span, round_row, store_row, store_s
 
 # This module's kernels compile those of the modules above into themselves: the digest of their
 # sources (see dsnorm.cpu.runtime) makes a change to any of them a change to this file.
-DEPENDENCIES_SHA256 = "93ba52737e541d928d944f52a6df93e7ed4bc1bdea4a775850dc4ba11c8d686b"
+DEPENDENCIES_SHA256 = "b842aa5cc6fae8035161ae925b0cfa340f8dceb1211641bcd4232724b3c86ca2"
 
 # Software prefetch of the next row, interleaved with the store pass (see forward_rows): every
 # _PREFETCH_BYTES of output stored, the matching 64-byte lines of the next row's inputs are

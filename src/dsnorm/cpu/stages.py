@@ -12,6 +12,7 @@ from numba import njit
 
 from dsnorm.cpu.intrinsics import (
     BF16,
+    add_bf16_rows,
     F16,
     F32,
     bf16_to_f32,
@@ -22,6 +23,7 @@ from dsnorm.cpu.intrinsics import (
     ptr_f64,
     ptr_u16,
     round_to,
+    scale_bf16_rows,
 )
 
 
@@ -107,7 +109,8 @@ def _load_add_store_row(x_addr, x_off, r_addr, r_off, o_addr, o_off, code, buf, 
         # and drop to the scalar loop.
         pr = ptr_u16(r_addr)
         px = ptr_u16(x_addr)
-        for j in range(n):
+        start = add_bf16_rows(x_addr + 2 * x_off, r_addr + 2 * r_off, r_addr + 2 * r_off, buf, n, round_first)
+        for j in range(start, n):
             v = bf16_to_f32(px[x_off + j]) + bf16_to_f32(pr[r_off + j])
             bits = f32_to_bf16(v)
             pr[r_off + j] = bits
@@ -116,7 +119,8 @@ def _load_add_store_row(x_addr, x_off, r_addr, r_off, o_addr, o_off, code, buf, 
         px = ptr_u16(x_addr)
         pr = ptr_u16(r_addr)
         po = ptr_u16(o_addr)
-        for j in range(n):
+        start = add_bf16_rows(x_addr + 2 * x_off, r_addr + 2 * r_off, o_addr + 2 * o_off, buf, n, round_first)
+        for j in range(start, n):
             v = bf16_to_f32(px[x_off + j]) + bf16_to_f32(pr[r_off + j])
             bits = f32_to_bf16(v)
             po[o_off + j] = bits
@@ -154,11 +158,12 @@ def store_scaled_row(addr, offset, code, buf, w_addr, rstd, n, cast_hf):
     if code == BF16:
         wb = ptr_f32(w_addr)
         pb = ptr_u16(addr)
+        start = scale_bf16_rows(addr + 2 * offset, buf, w_addr, rstd, n, cast_hf)
         if cast_hf:
-            for j in range(n):
+            for j in range(start, n):
                 pb[offset + j] = f32_to_bf16(round_to(wb[j], BF16) * round_to(buf[j] * rstd, BF16))
         else:
-            for j in range(n):
+            for j in range(start, n):
                 pb[offset + j] = f32_to_bf16(wb[j] * (buf[j] * rstd))
     elif code == F16:
         wh = ptr_f32(w_addr)
