@@ -326,6 +326,23 @@ def test_bf16_rounding_of_subnormals_and_nans_in_every_lane(width, cast):
     assert bits_equal(y, y_ref) and (_bits(y)[y_ref.isnan()] == 0x7FC0).all()
 
 
+@pytest.mark.parametrize("cast", ["deepseek", "hf"])
+def test_rows_beyond_the_caches_bitwise(cast):
+    # On CPUs with AVX512-BF16, bf16 rows whose thread shares outgrow L2 are summed from the inputs
+    # and read again for the outputs instead of through a scratch row, and fresh outputs past 8 MiB
+    # a thread are written with non-temporal stores (in place keeps ordinary ones). 7171 wide: the
+    # whole level steps, then 3 elements through the scratch row and the scalar tail of the stores.
+    x, r, w = _data((2400, 7171), torch.bfloat16, 31), _data((2400, 7171), torch.bfloat16, 32), _weight(7171)
+    x[5, 100], r[7, 7170], x[2399, 0] = float("nan"), float("inf"), 1e19
+    y_ref, res_ref = fused_add_rms_norm_ref(x, r, w, cast=cast)
+    y, res = dsnorm.fused_add_rms_norm(x, r, w, cast=cast)
+    assert bits_equal(y, y_ref) and bits_equal(res, res_ref)
+    xi, ri = x.clone(), r.clone()
+    dsnorm.fused_add_rms_norm_(xi, ri, w, cast=cast)
+    assert bits_equal(xi, y_ref) and bits_equal(ri, res_ref)
+    assert bits_equal(dsnorm.rms_norm(x, w, cast=cast), rms_norm_ref(x, w, cast=cast))
+
+
 @pytest.mark.parametrize("shape", [(0, 7168), (2, 0, 512), (0,)])
 def test_empty_inputs(shape):
     n = shape[-1] if shape[-1] else 4

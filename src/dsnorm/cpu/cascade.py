@@ -34,6 +34,8 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
+from dsnorm.cpu.intrinsics import widen_bf16
+
 # Vector lanes torch's CPU sum uses for fp32 (doubles: half as many).
 SUM_LANES = 8
 # Scratch slots per thread beyond the row itself: 4 cascade levels x 4 accumulators x lanes.
@@ -63,16 +65,31 @@ def _emit_chains(builder, src, count, vec, align):
     ``acc + v * v`` (a rounded square, then a rounded add) for its vector of each of ``count``
     groups of 4 consecutive vectors from the element pointer ``src`` (``align``: the element's
     alignment). Returns the accumulators' allocas, which LLVM keeps in registers."""
+    return _emit_chains_of(builder, lambda index, wide: _load_vec(builder, src, index, wide, align), count, vec)
+
+
+def _emit_chains_of(builder, load, count, vec):
+    """:func:`_emit_chains` with the vectors from ``load(element index, vector type)``.
+
+    Each lane is its own chain, so accumulators 0 and 1 (and 2 and 3) run as one vector of twice
+    the lanes, holding the same elements in the same lanes: the same bits, half the instructions
+    where the target has vectors that wide (AVX-512; elsewhere LLVM splits them again)."""
     from numba.core import cgutils
 
     lanes = vec.count
     intp = count.type
-    accs = [cgutils.alloca_once_value(builder, ir.Constant(vec, [0.0] * lanes)) for _ in range(4)]
+    wide = ir.VectorType(vec.element, 2 * lanes)
+    pairs = [cgutils.alloca_once_value(builder, ir.Constant(wide, [0.0] * 2 * lanes)) for _ in range(2)]
     with cgutils.for_range(builder, count) as loop:
         base = builder.mul(loop.index, ir.Constant(intp, 4 * lanes))
-        for k in range(4):
-            v = _load_vec(builder, src, builder.add(base, ir.Constant(intp, lanes * k)), vec, align)
-            builder.store(builder.fadd(builder.load(accs[k]), builder.fmul(v, v)), accs[k])
+        for k in range(2):
+            v = load(builder.add(base, ir.Constant(intp, 2 * lanes * k)), wide)
+            builder.store(builder.fadd(builder.load(pairs[k]), builder.fmul(v, v)), pairs[k])
+    accs = []
+    for k in range(4):
+        pair = builder.load(pairs[k // 2])
+        half = ir.Constant(ir.VectorType(ir.IntType(32), lanes), [lanes * (k % 2) + t for t in range(lanes)])
+        accs.append(cgutils.alloca_once_value(builder, builder.shuffle_vector(pair, pair, half)))
     return accs
 
 
@@ -109,6 +126,55 @@ def _chain32(typingctx, buf, offset, count, out):
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+@intrinsic
+def _chain32_bf16(typingctx, x_addr, r_addr, offset, count, out):
+    """``_chain32`` of the row ``s = x + r`` (``r_addr`` 0: ``s = x``) widened from the bf16 rows
+    at those addresses, element ``offset`` on, into ``out`` (a contiguous 1-D float32 array): the
+    same bits as ``_chain32`` of ``s`` written to a scratch row first, without writing it.
+
+    fp32 compute only: a float64 ``out`` (the fp64 compilation of a kernel that takes this path
+    for fp32 compute alone) raises AssertionError when run."""
+    if not (isinstance(out, types.Array) and out.dtype in (types.float32, types.float64) and out.ndim == 1
+            and out.layout == "C"):
+        return None
+    sig = types.void(types.int64, types.int64, types.intp, types.intp, out)
+
+    def codegen(context, builder, signature, args):
+        from numba.core import cgutils
+
+        xa, ra, offset_arg, count_arg, out_arg = args
+        if signature.args[4].dtype != types.float32:
+            with cgutils.if_unlikely(builder, cgutils.true_bit):
+                context.call_conv.return_user_exc(builder, AssertionError, ("_chain32_bf16: fp32 compute only",))
+            return context.get_dummy_value()
+        vec = ir.VectorType(ir.FloatType(), 8)
+        px, pr = (builder.gep(builder.inttoptr(a, ir.IntType(16).as_pointer()), [offset_arg]) for a in (xa, ra))
+
+        def widened(base, index, wide):
+            bits = ir.VectorType(ir.IntType(16), wide.count)
+            return widen_bf16(builder, _load_vec(builder, base, index, bits, 2))
+
+        dst = context.make_array(signature.args[4])(context, builder, out_arg).data
+        with builder.if_else(builder.icmp_unsigned("==", ra, ir.Constant(ra.type, 0))) as (plain, fused):
+            with plain:
+                accs = _emit_chains_of(builder, lambda i, wide: widened(px, i, wide), count_arg, vec)
+                _store_accs(builder, accs, dst, vec)
+            with fused:
+                accs = _emit_chains_of(
+                    builder, lambda i, wide: builder.fadd(widened(px, i, wide), widened(pr, i, wide)), count_arg, vec)
+                _store_accs(builder, accs, dst, vec)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def _store_accs(builder, accs, dst, vec):
+    """The four accumulator vectors to ``dst[0:4 * lanes]`` (element alignment)."""
+    for k in range(4):
+        ptr = builder.gep(dst, [ir.Constant(ir.IntType(64), vec.count * k)])
+        builder.store(builder.load(accs[k]), builder.bitcast(ptr, vec.as_pointer()), align=4)
 
 
 @intrinsic
@@ -223,11 +289,23 @@ def sum_layout(n, lanes_max):
 def sum_step(buf, i, lanes, level_power, acc):
     """One level step: groups [i, i + 2**level_power) into level 0 (a fresh chain: level 0 is
     zero at every step's start), then the cascade into levels 1-3. Returns the next group."""
+    _level0(buf, i, 1 << level_power, lanes, acc)
+    return _cascade(i + (1 << level_power), lanes, level_power, acc)
+
+
+@njit(inline="always")
+def sum_step_bf16(x_addr, r_addr, i, level_power, acc):
+    """:func:`sum_step` of the row ``x + r`` (``r_addr`` 0: ``x``) read from bf16 rows, 8 lanes."""
+    _chain32_bf16(x_addr, r_addr, i * 32, 1 << level_power, acc)
+    return _cascade(i + (1 << level_power), SUM_LANES, level_power, acc)
+
+
+@njit(inline="always")
+def _cascade(i, lanes, level_power, acc):
+    """After a level step that ends at group ``i``: level 0 into level 1, and on up while ``i`` is
+    a multiple of the next level's span. Returns ``i``."""
     width = 4 * lanes
-    level_step = 1 << level_power
-    level_mask = level_step - 1
-    _level0(buf, i, level_step, lanes, acc)
-    i += level_step
+    level_mask = (1 << level_power) - 1
     for level in range(1, 4):
         lo = (level - 1) * width
         hi = level * width

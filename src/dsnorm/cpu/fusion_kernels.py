@@ -35,7 +35,7 @@ from dsnorm.cpu.stages import load_row
 
 # This module's kernels compile those of the modules above into themselves: the digest of their
 # sources (see dsnorm.cpu.runtime) makes a change to any of them a change to this file.
-DEPENDENCIES_SHA256 = "2a719296c91caab44a40a82f4176aee1e2f7413c6406c6c4d30b8d1ddc37157d"
+DEPENDENCIES_SHA256 = "385fea63cb7dc7fb9ed91f9192301cc0cd7e4c4eff4ada6b2fb54f75ded73e3e"
 
 _ptr_u8 = pointer_intrinsic(types.uint8, ir.IntType(8))
 _ptr_i64 = pointer_intrinsic(types.int64, ir.IntType(64))

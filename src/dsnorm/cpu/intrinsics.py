@@ -113,8 +113,10 @@ def round_to(value, code):
 
 @intrinsic
 def prefetch_line(typingctx, addr):
-    """A read prefetch of the line at ``addr`` into all cache levels (llvm.prefetch: a hint; an
-    address past the end of a mapping does not fault)."""
+    """A read prefetch of the line at ``addr`` into L2, not L1 (llvm.prefetch with locality 2,
+    PREFETCHT1: a hint; an address past the end of a mapping does not fault). The next row fetched
+    into L1 evicted the scratch row being stored from it (a 7168-wide fp32 row is 28 KiB of a 32 KiB
+    L1); see docs/performance.md."""
     def codegen(context, builder, signature, args):
         i8p = ir.IntType(8).as_pointer()
         i32 = ir.IntType(32)
@@ -123,8 +125,8 @@ def prefetch_line(typingctx, addr):
         except KeyError:
             fn = ir.Function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
                              name="llvm.prefetch.p0")
-        # (address, 0: read, 3: keep in all levels, 1: data cache)
-        builder.call(fn, [builder.inttoptr(args[0], i8p), ir.Constant(i32, 0), ir.Constant(i32, 3),
+        # (address, 0: read, 2: locality "moderate", PREFETCHT1, 1: data cache)
+        builder.call(fn, [builder.inttoptr(args[0], i8p), ir.Constant(i32, 0), ir.Constant(i32, 2),
                           ir.Constant(i32, 1)])
         return context.get_dummy_value()
 
@@ -232,9 +234,10 @@ def _declare(module, name, ret, args):
         return ir.Function(module, ir.FunctionType(ret, args), name=name)
 
 
-def _emit_widen16(builder, bits):
-    """<16 x i16> bf16 bits -> <16 x float>, exactly."""
-    return builder.bitcast(builder.shl(builder.zext(bits, _V16I), _splat(_V16I, 16)), _V16F)
+def widen_bf16(builder, bits):
+    """IR: a vector of bf16 bits (``<k x i16>``) widened, exactly, to ``<k x float>``."""
+    ints = ir.VectorType(_I32, bits.type.count)
+    return builder.bitcast(builder.shl(builder.zext(bits, ints), _splat(ints, 16)), ir.VectorType(ir.FloatType(), ints.count))
 
 
 def _emit_round16(builder, value):
@@ -289,11 +292,11 @@ def add_bf16_rows(typingctx, x_addr, r_addr, o_addr, buf, n, round_first):
         px, pr, po = (builder.inttoptr(a, _I16.as_pointer()) for a in (xa, ra, oa))
 
         def body(j):
-            s = builder.fadd(_emit_widen16(builder, builder.load(_vec_at(builder, px, _V16H, j), align=2)),
-                             _emit_widen16(builder, builder.load(_vec_at(builder, pr, _V16H, j), align=2)))
+            s = builder.fadd(widen_bf16(builder, builder.load(_vec_at(builder, px, _V16H, j), align=2)),
+                             widen_bf16(builder, builder.load(_vec_at(builder, pr, _V16H, j), align=2)))
             bits = _emit_round16(builder, s)
             builder.store(bits, _vec_at(builder, po, _V16H, j), align=2)
-            kept = builder.select(round_first_arg, _emit_widen16(builder, bits), s)
+            kept = builder.select(round_first_arg, widen_bf16(builder, bits), s)
             builder.store(kept, _vec_at(builder, data, _V16F, j), align=4)
 
         return _bf16_row_loop(builder, n_arg, body)
@@ -318,28 +321,100 @@ def scale_bf16_rows(typingctx, y_addr, buf, w_addr, rstd, n, cast_hf):
         data = context.make_array(signature.args[1])(context, builder, buf_arg).data
         py = builder.inttoptr(ya, _I16.as_pointer())
         pw = builder.inttoptr(wa, ir.FloatType().as_pointer())
-        scale = builder.insert_element(ir.Constant(_V16F, None), rstd_arg, ir.Constant(_I32, 0))
-        scale = builder.shuffle_vector(scale, scale, ir.Constant(_V16I, [0] * 16))
-
-        def rounded(v):
-            return _emit_widen16(builder, _emit_round16(builder, v))
+        scale = _splat_arg(builder, rstd_arg)
 
         def body(j, hf):
-            xhat = builder.fmul(builder.load(_vec_at(builder, data, _V16F, j), align=4), scale)
-            w = builder.load(_vec_at(builder, pw, _V16F, j), align=4)
-            y = builder.fmul(rounded(w), rounded(xhat)) if hf else builder.fmul(w, xhat)
-            builder.store(_emit_round16(builder, y), _vec_at(builder, py, _V16H, j), align=2)
+            s = builder.load(_vec_at(builder, data, _V16F, j), align=4)
+            _emit_store_y(builder, s, scale, pw, py, j, hf)
 
-        with builder.if_else(cast_hf_arg) as (then, otherwise):
-            with then:
-                end_hf = _bf16_row_loop(builder, n_arg, lambda j: body(j, True))
-                block_hf = builder.block
-            with otherwise:
-                end_ds = _bf16_row_loop(builder, n_arg, lambda j: body(j, False))
-                block_ds = builder.block
-        end = builder.phi(n_arg.type)
-        end.add_incoming(end_hf, block_hf)
-        end.add_incoming(end_ds, block_ds)
-        return end
+        return _bf16_loops(builder, n_arg, [cast_hf_arg], lambda j, hf: body(j, hf))
+
+    return sig, codegen
+
+
+def _splat_arg(builder, value):
+    """A <16 x float> of the float ``value``."""
+    one = builder.insert_element(ir.Constant(_V16F, None), value, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(one, one, ir.Constant(_V16I, [0] * 16))
+
+
+def _emit_store_y(builder, s, scale, pw, py, j, hf, stream=False):
+    """y[j:j+16] = f32_to_bf16(w * (s * scale)), or with ``hf`` of round(w) * round(s * scale)."""
+    xhat = builder.fmul(s, scale)
+    w = builder.load(_vec_at(builder, pw, _V16F, j), align=4)
+    if hf:
+        y = builder.fmul(widen_bf16(builder, _emit_round16(builder, w)), widen_bf16(builder, _emit_round16(builder, xhat)))
+    else:
+        y = builder.fmul(w, xhat)
+    _store16(builder, _emit_round16(builder, y), _vec_at(builder, py, _V16H, j), stream)
+
+
+def _bf16_loops(builder, n, flags, body):
+    """:func:`_bf16_row_loop` of ``body(j, *values)``, one loop for each combination of the runtime
+    booleans ``flags`` (branches outside the loops, so each loop is straight-line code); returns the
+    loops' common bound."""
+    if not flags:
+        return _bf16_row_loop(builder, n, body)
+    ends = []
+    with builder.if_else(flags[0]) as (then, otherwise):
+        with then:
+            ends.append((_bf16_loops(builder, n, flags[1:], lambda j, *rest: body(j, True, *rest)), builder.block))
+        with otherwise:
+            ends.append((_bf16_loops(builder, n, flags[1:], lambda j, *rest: body(j, False, *rest)), builder.block))
+    end = builder.phi(n.type)
+    for value, block in ends:
+        end.add_incoming(value, block)
+    return end
+
+
+def _store16(builder, value, ptr, stream):
+    """Stores a <16 x i16>; ``stream``: a non-temporal store (no read for ownership of the line,
+    not kept in cache), for outputs larger than the caches."""
+    store = builder.store(value, ptr, align=2)
+    if stream:
+        store.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(_I32, 1)]))
+
+
+@intrinsic
+def store_fence(typingctx):
+    """SFENCE: the non-temporal stores before it are visible to other threads before any store after
+    it (they are weakly ordered). Emitted only where the kernels make such stores (AVX512-BF16)."""
+    def codegen(context, builder, signature, args):
+        if BF16_CVT:
+            builder.call(_declare(builder.module, "llvm.x86.sse.sfence", ir.VoidType(), []), [])
+        return context.get_dummy_value()
+
+    return types.void(), codegen
+
+
+@intrinsic
+def scale_sum_bf16_rows(typingctx, x_addr, r_addr, o_addr, y_addr, w_addr, rstd, n, cast_hf, stream):
+    """The vector part of the output stage that reads no scratch row: for j below ``n`` rounded down
+    to 16, ``s = x[j] + r[j]`` widened (``r_addr`` 0: ``s = x[j]``), ``o[j] = f32_to_bf16(s)`` (with
+    ``r``) and ``y[j]`` from ``s`` as in :func:`scale_bf16_rows`; x, r, o, y bf16 rows (o may be r,
+    y may be x: each vector is read before it is written), w an fp32 one. ``stream``: o and y are
+    written with non-temporal stores (the caller fences). Returns where the scalar loop must start:
+    0 without AVX512-BF16 or for a float64 ``rstd`` (fp64 compute)."""
+    if not isinstance(rstd, types.Float):
+        return None
+    sig = types.intp(*(types.int64,) * 5, rstd, types.intp, types.boolean, types.boolean)
+
+    def codegen(context, builder, signature, args):
+        xa, ra, oa, ya, wa, rstd_arg, n_arg, cast_hf_arg, stream_arg = args
+        if not (BF16_CVT and signature.args[5] == types.float32):
+            return ir.Constant(n_arg.type, 0)
+        px, pr, po, py = (builder.inttoptr(a, _I16.as_pointer()) for a in (xa, ra, oa, ya))
+        pw = builder.inttoptr(wa, ir.FloatType().as_pointer())
+        scale = _splat_arg(builder, rstd_arg)
+
+        def body(j, fused, hf, stream):
+            s = widen_bf16(builder, builder.load(_vec_at(builder, px, _V16H, j), align=2))
+            if fused:
+                s = builder.fadd(s, widen_bf16(builder, builder.load(_vec_at(builder, pr, _V16H, j), align=2)))
+                _store16(builder, _emit_round16(builder, s), _vec_at(builder, po, _V16H, j), stream)
+            _emit_store_y(builder, s, scale, pw, py, j, hf, stream)
+
+        fused = builder.icmp_unsigned("!=", ra, ir.Constant(ra.type, 0))
+        return _bf16_loops(builder, n_arg, [fused, cast_hf_arg, stream_arg], body)
 
     return sig, codegen

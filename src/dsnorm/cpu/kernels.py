@@ -26,14 +26,24 @@ import numba
 import numpy as np
 from numba import njit, prange, types
 
-from dsnorm.cpu.cascade import ACC_SLOTS, SUM_LANES, sum_finish, sum_layout, sum_step, sumsq_narrow
-from dsnorm.cpu.intrinsics import BF16, by_address, code_size, prefetch_line, ptr_f32, ptr_f64, stack_f32
+from dsnorm.cpu.cascade import ACC_SLOTS, SUM_LANES, sum_finish, sum_layout, sum_step, sum_step_bf16, sumsq_narrow
+from dsnorm.cpu.intrinsics import (
+    BF16,
+    BF16_CVT,
+    by_address,
+    code_size,
+    prefetch_line,
+    ptr_f32,
+    ptr_f64,
+    stack_f32,
+    store_fence,
+)
 from dsnorm.cpu.runtime import kernel
-from dsnorm.cpu.stages import load_row, load_span, round_row, store_row, store_scaled_row
+from dsnorm.cpu.stages import load_row, load_span, round_row, store_row, store_scaled_row, store_sum_scaled_row
 
 # This module's kernels compile those of the modules above into themselves: the digest of their
 # sources (see dsnorm.cpu.runtime) makes a change to any of them a change to this file.
-DEPENDENCIES_SHA256 = "b842aa5cc6fae8035161ae925b0cfa340f8dceb1211641bcd4232724b3c86ca2"
+DEPENDENCIES_SHA256 = "989b134559429e50dca440088e0e3c3f1a21fb967327fe84ae5ff2846d434e56"
 
 # Software prefetch of the next row, interleaved with the store pass (see forward_rows): every
 # _PREFETCH_BYTES of output stored, the matching 64-byte lines of the next row's inputs are
@@ -46,6 +56,14 @@ _PREFETCH_MIN_WIDTH = 1024
 _PREFETCH_MIN_BYTES = 8 << 20
 _PREFETCH_IN_PLACE_MIN_WIDTH = 4096
 _PREFETCH_IN_PLACE_MIN_BYTES = 2 << 20
+# A thread's share of x from which fused rows skip the scratch row (its L2; see forward_rows).
+_DIRECT_FUSED_MIN_BYTES = 2 << 20
+# Outputs that do not overwrite the inputs, from a thread's share of x of this many bytes on, are
+# written with non-temporal stores (the path that reads no scratch row; see forward_rows): an
+# ordinary store first reads each line of a fresh output for ownership, and outputs this large leave
+# the caches before anything reads them. Over inputs (in place) the lines are cached already, and a
+# non-temporal store evicts them: slower there.
+_STREAM_MIN_BYTES = 8 << 20
 
 
 # Out of line, called by forward_rows: inlined there, the register sum made the wide rows' threaded
@@ -119,6 +137,23 @@ def forward_rows(
     # Up to one whole level step: with exactly 2**level_power groups the array form's one step moves
     # level 0 into a zeroed level 1 and back (0 + c is c), the register form's single chain.
     narrow = lanes == lanes_max and groups <= (1 << level_power)
+    # One-dtype bf16 rows of a wide row, fp32 compute, where the target rounds 16 values at once
+    # (intrinsics.BF16_CVT): the sum reads the inputs themselves, and the output stage reads them
+    # again instead of an fp32 scratch row. The sum's order is the same; only a row's tail past its
+    # whole level steps goes through the scratch. A plain row is read faster that way wherever it
+    # is; a fused one (two inputs to read again, the sum to round in the output stage) once a
+    # thread's rows come from beyond its L2, where the scratch row, sharing L1 with the streaming
+    # inputs, slowed their reads (docs/performance.md).
+    direct = (
+        BF16_CVT and x_code == BF16 and scratch.itemsize == 4 and not round_first and not narrow
+        and lanes == lanes_max
+        and (res_addr == 0 or (fused_one_dtype and (r1 - r0) * n * x_size >= _DIRECT_FUSED_MIN_BYTES))
+    )
+    span_rout = I0 if direct else rout_addr
+    stream = (
+        direct and y_addr != x_addr and (res_addr == 0 or rout_addr != res_addr)
+        and (r1 - r0) * n * x_size >= _STREAM_MIN_BYTES
+    )
     for row in range(r0, r1):
         if not narrow:
             for t in range(group_len, 4 * group_len):
@@ -129,11 +164,17 @@ def forward_rows(
         # numba copies the stage's IR into every site, and each copy lengthens the first compile.
         i = 0
         lo = 0
+        x_row = x_addr + row * x_stride * x_size
+        res_row = res_addr + row * res_stride * res_size if res_addr != 0 else res_addr
         while True:
             full_step = not narrow and i + (1 << level_power) <= groups
+            if direct and full_step:
+                i = sum_step_bf16(x_row, res_row, i, level_power, acc)
+                lo += step_len
+                continue
             hi = lo + step_len if full_step else n
             load_span(lo, hi, buf, row, x_addr, x_stride, x_code, res_addr, res_stride, res_code,
-                      rout_addr, rout_stride, rout_code, round_first, fused_one_dtype)
+                      span_rout, rout_stride, rout_code, round_first, fused_one_dtype and not direct)
             if not full_step:
                 break
             i = sum_step(buf, i, lanes, level_power, acc)
@@ -160,9 +201,16 @@ def forward_rows(
                 if res_addr != 0:
                     for offset in range(lo * res_size, hi * res_size, 64):
                         prefetch_line(next_res + offset)
-            store_scaled_row(y_addr, row * y_stride + lo, x_code, buf[lo:hi], w_addr + w_size * lo, rstd,
-                             hi - lo, cast_hf)
+            if direct:
+                store_sum_scaled_row(x_addr, row * x_stride + lo, res_addr, row * res_stride + lo,
+                                     rout_addr, row * rout_stride + lo, y_addr, row * y_stride + lo,
+                                     w_addr + w_size * lo, rstd, hi - lo, cast_hf, stream)
+            else:
+                store_scaled_row(y_addr, row * y_stride + lo, x_code, buf[lo:hi], w_addr + w_size * lo, rstd,
+                                 hi - lo, cast_hf)
             lo = hi
+    if stream:
+        store_fence()
 
 
 @kernel()

@@ -24,6 +24,7 @@ from dsnorm.cpu.intrinsics import (
     ptr_u16,
     round_to,
     scale_bf16_rows,
+    scale_sum_bf16_rows,
 )
 
 
@@ -184,6 +185,31 @@ def store_scaled_row(addr, offset, code, buf, w_addr, rstd, n, cast_hf):
         pd = ptr_f64(addr)
         for j in range(n):
             pd[offset + j] = wd[j] * (buf[j] * rstd)
+
+
+@njit(inline="always")
+def store_sum_scaled_row(x_addr, x_off, r_addr, r_off, o_addr, o_off, y_addr, y_off, w_addr, rstd, n, cast_hf,
+                         stream):
+    """The output stage without a scratch row, bf16 rows and an fp32 gain: ``s = x + r`` read again
+    (``r_addr`` 0: ``s = x``), residual_out = s rounded (with r), y = (w * (s * rstd)) rounded once
+    (Hugging Face order with ``cast_hf``); o may be r and y may be x (each element is read before
+    it is written). ``stream``: non-temporal stores for the vector part (the caller fences)."""
+    start = scale_sum_bf16_rows(x_addr + 2 * x_off, r_addr + 2 * r_off if r_addr != 0 else r_addr,
+                                o_addr + 2 * o_off, y_addr + 2 * y_off, w_addr, rstd, n, cast_hf, stream)
+    px = ptr_u16(x_addr)
+    pr = ptr_u16(r_addr)
+    po = ptr_u16(o_addr)
+    py = ptr_u16(y_addr)
+    wb = ptr_f32(w_addr)
+    for j in range(start, n):
+        v = bf16_to_f32(px[x_off + j])
+        if r_addr != 0:
+            v += bf16_to_f32(pr[r_off + j])
+            po[o_off + j] = f32_to_bf16(v)
+        if cast_hf:
+            py[y_off + j] = f32_to_bf16(round_to(wb[j], BF16) * round_to(v * rstd, BF16))
+        else:
+            py[y_off + j] = f32_to_bf16(wb[j] * (v * rstd))
 
 
 @njit(inline="always")
