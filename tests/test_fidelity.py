@@ -326,14 +326,16 @@ def test_bf16_rounding_of_subnormals_and_nans_in_every_lane(width, cast):
     assert bits_equal(y, y_ref) and (_bits(y)[y_ref.isnan()] == 0x7FC0).all()
 
 
+@pytest.mark.parametrize("width", [7168, 7171])
 @pytest.mark.parametrize("cast", ["deepseek", "hf"])
-def test_rows_beyond_the_caches_bitwise(cast):
+def test_rows_beyond_the_caches_bitwise(cast, width):
     # On CPUs with AVX512-BF16, bf16 rows whose thread shares outgrow L2 are summed from the inputs
     # and read again for the outputs instead of through a scratch row, and fresh outputs past 8 MiB
-    # a thread are written with non-temporal stores (in place keeps ordinary ones). 7171 wide: the
-    # whole level steps, then 3 elements through the scratch row and the scalar tail of the stores.
-    x, r, w = _data((2400, 7171), torch.bfloat16, 31), _data((2400, 7171), torch.bfloat16, 32), _weight(7171)
-    x[5, 100], r[7, 7170], x[2399, 0] = float("nan"), float("inf"), 1e19
+    # a thread, their rows 32-byte aligned (7168 wide), are written with non-temporal stores (in
+    # place keeps ordinary ones). 7171 wide: the whole level steps, then 3 elements through the
+    # scratch row and the scalar tail of the stores.
+    x, r, w = _data((2400, width), torch.bfloat16, 31), _data((2400, width), torch.bfloat16, 32), _weight(width)
+    x[5, 100], r[7, width - 1], x[2399, 0] = float("nan"), float("inf"), 1e19
     y_ref, res_ref = fused_add_rms_norm_ref(x, r, w, cast=cast)
     y, res = dsnorm.fused_add_rms_norm(x, r, w, cast=cast)
     assert bits_equal(y, y_ref) and bits_equal(res, res_ref)

@@ -47,6 +47,7 @@ def pointer_intrinsic(elem_type, llvm_type):
 ptr_f32 = pointer_intrinsic(types.float32, ir.FloatType())
 ptr_f64 = pointer_intrinsic(types.float64, ir.DoubleType())
 ptr_u16 = pointer_intrinsic(types.uint16, ir.IntType(16))
+ptr_u32 = pointer_intrinsic(types.uint32, ir.IntType(32))
 
 
 @intrinsic
@@ -256,6 +257,17 @@ def _emit_round16(builder, value):
     return builder.load(bits)
 
 
+def _emit_round_widen16(builder, value):
+    """<16 x float> rounded to bf16 and widened again (round_to(v, BF16) of each lane), in the fp32
+    domain: the bit trick with the low half cleared, a NaN made 0x7FC00000; no narrowing, no
+    branch, the same bits as going through :func:`_emit_round16`."""
+    u = builder.bitcast(value, _V16I)
+    odd = builder.and_(builder.lshr(u, _splat(_V16I, 16)), _splat(_V16I, 1))
+    rounded = builder.and_(builder.add(builder.add(u, _splat(_V16I, 0x7FFF)), odd), _splat(_V16I, 0xFFFF0000))
+    nan = builder.fcmp_unordered("uno", value, value)
+    return builder.bitcast(builder.select(nan, _splat(_V16I, 0x7FC00000), rounded), _V16F)
+
+
 def _vec_at(builder, base, vec, index):
     """A pointer to the vector of type ``vec`` at element ``index`` of the element pointer ``base``."""
     return builder.bitcast(builder.gep(base, [index]), vec.as_pointer())
@@ -305,17 +317,18 @@ def add_bf16_rows(typingctx, x_addr, r_addr, o_addr, buf, n, round_first):
 
 
 @intrinsic
-def scale_bf16_rows(typingctx, y_addr, buf, w_addr, rstd, n, cast_hf):
+def scale_bf16_rows(typingctx, y_addr, buf, w_addr, rstd, n, cast_hf, gain_exact):
     """The vector part of the bf16 output stage: for j below ``n`` rounded down to 16, ``y[j] =
     f32_to_bf16(w[j] * (buf[j] * rstd))``, or with ``cast_hf`` ``f32_to_bf16(round(w[j]) *
-    round(buf[j] * rstd))`` (round: to bf16 and back); y a bf16 row, w an fp32 one. Returns where
-    the scalar loop must start: 0 without AVX512-BF16 or for a float64 ``buf``."""
+    round(buf[j] * rstd))`` (round: to bf16 and back; ``gain_exact``: w's values are all bf16, not
+    rounded again); y a bf16 row, w an fp32 one. Returns where the scalar loop must start: 0
+    without AVX512-BF16 or for a float64 ``buf``."""
     if not isinstance(buf, types.Array):
         return None
-    sig = types.intp(types.int64, buf, types.int64, rstd, types.intp, types.boolean)
+    sig = types.intp(types.int64, buf, types.int64, rstd, types.intp, types.boolean, types.boolean)
 
     def codegen(context, builder, signature, args):
-        ya, buf_arg, wa, rstd_arg, n_arg, cast_hf_arg = args
+        ya, buf_arg, wa, rstd_arg, n_arg, cast_hf_arg, gain_exact_arg = args
         if not (BF16_CVT and _fp32_row(signature.args[1]) and signature.args[3] == types.float32):
             return ir.Constant(n_arg.type, 0)
         data = context.make_array(signature.args[1])(context, builder, buf_arg).data
@@ -323,11 +336,11 @@ def scale_bf16_rows(typingctx, y_addr, buf, w_addr, rstd, n, cast_hf):
         pw = builder.inttoptr(wa, ir.FloatType().as_pointer())
         scale = _splat_arg(builder, rstd_arg)
 
-        def body(j, hf):
+        def body(j, cast):
             s = builder.load(_vec_at(builder, data, _V16F, j), align=4)
-            _emit_store_y(builder, s, scale, pw, py, j, hf)
+            _emit_store_y(builder, s, scale, pw, py, j, cast)
 
-        return _bf16_loops(builder, n_arg, [cast_hf_arg], lambda j, hf: body(j, hf))
+        return _bf16_loops(builder, n_arg, [_cast_choice(builder, cast_hf_arg, gain_exact_arg)], body)
 
     return sig, codegen
 
@@ -338,39 +351,55 @@ def _splat_arg(builder, value):
     return builder.shuffle_vector(one, one, ir.Constant(_V16I, [0] * 16))
 
 
-def _emit_store_y(builder, s, scale, pw, py, j, hf, stream=False):
-    """y[j:j+16] = f32_to_bf16(w * (s * scale)), or with ``hf`` of round(w) * round(s * scale)."""
+def _emit_store_y(builder, s, scale, pw, py, j, cast, stream=False):
+    """y[j:j+16] = f32_to_bf16(w * (s * scale)), or for the Hugging Face forms of round(w) *
+    round(s * scale) (round: to bf16 and back; ``cast`` from :func:`_cast_choice`)."""
     xhat = builder.fmul(s, scale)
     w = builder.load(_vec_at(builder, pw, _V16F, j), align=4)
-    if hf:
-        y = builder.fmul(widen_bf16(builder, _emit_round16(builder, w)), widen_bf16(builder, _emit_round16(builder, xhat)))
-    else:
-        y = builder.fmul(w, xhat)
+    if cast == "hf":
+        w = widen_bf16(builder, _emit_round16(builder, w))
+    if cast != "deepseek":
+        xhat = widen_bf16(builder, _emit_round16(builder, xhat))
+    y = builder.fmul(w, xhat)
     _store16(builder, _emit_round16(builder, y), _vec_at(builder, py, _V16H, j), stream)
 
 
-def _bf16_loops(builder, n, flags, body):
-    """:func:`_bf16_row_loop` of ``body(j, *values)``, one loop for each combination of the runtime
-    booleans ``flags`` (branches outside the loops, so each loop is straight-line code); returns the
-    loops' common bound."""
-    if not flags:
+def _bf16_loops(builder, n, choices, body):
+    """:func:`_bf16_row_loop` of ``body(j, *values)``, one loop for each combination of runtime
+    choices (branches outside the loops, so each loop is straight-line code); returns the loops'
+    common bound. A choice is an i1 (values True and False) or a list of ``(i1, value)`` tried in
+    order, the last one's i1 None (its default)."""
+    if not choices:
         return _bf16_row_loop(builder, n, body)
+    first, rest = choices[0], choices[1:]
+    if not isinstance(first, list):
+        first = [(first, True), (None, False)]
+    (cond, value), others = first[0], first[1:]
+    if cond is None:
+        return _bf16_loops(builder, n, rest, lambda j, *more: body(j, value, *more))
     ends = []
-    with builder.if_else(flags[0]) as (then, otherwise):
+    with builder.if_else(cond) as (then, otherwise):
         with then:
-            ends.append((_bf16_loops(builder, n, flags[1:], lambda j, *rest: body(j, True, *rest)), builder.block))
+            ends.append((_bf16_loops(builder, n, rest, lambda j, *more: body(j, value, *more)), builder.block))
         with otherwise:
-            ends.append((_bf16_loops(builder, n, flags[1:], lambda j, *rest: body(j, False, *rest)), builder.block))
+            ends.append((_bf16_loops(builder, n, [others] + rest, body), builder.block))
     end = builder.phi(n.type)
-    for value, block in ends:
-        end.add_incoming(value, block)
+    for bound, block in ends:
+        end.add_incoming(bound, block)
     return end
+
+
+def _cast_choice(builder, cast_hf, gain_exact):
+    """The output stage's three forms: "deepseek", "hf", and "hf" with a gain whose values are all
+    bf16 already ("hf_exact": rounding it again would change nothing)."""
+    return [(builder.and_(cast_hf, gain_exact), "hf_exact"), (cast_hf, "hf"), (None, "deepseek")]
 
 
 def _store16(builder, value, ptr, stream):
     """Stores a <16 x i16>; ``stream``: a non-temporal store (no read for ownership of the line,
-    not kept in cache), for outputs larger than the caches."""
-    store = builder.store(value, ptr, align=2)
+    not kept in cache), for outputs larger than the caches, at a 32-byte aligned ``ptr`` (the
+    caller's part: unaligned, LLVM splits it into four 8-byte non-temporal stores)."""
+    store = builder.store(value, ptr, align=32 if stream else 2)
     if stream:
         store.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(_I32, 1)]))
 
@@ -388,33 +417,35 @@ def store_fence(typingctx):
 
 
 @intrinsic
-def scale_sum_bf16_rows(typingctx, x_addr, r_addr, o_addr, y_addr, w_addr, rstd, n, cast_hf, stream):
+def scale_sum_bf16_rows(typingctx, x_addr, r_addr, o_addr, y_addr, w_addr, rstd, n, cast_hf, gain_exact, stream):
     """The vector part of the output stage that reads no scratch row: for j below ``n`` rounded down
     to 16, ``s = x[j] + r[j]`` widened (``r_addr`` 0: ``s = x[j]``), ``o[j] = f32_to_bf16(s)`` (with
     ``r``) and ``y[j]`` from ``s`` as in :func:`scale_bf16_rows`; x, r, o, y bf16 rows (o may be r,
-    y may be x: each vector is read before it is written), w an fp32 one. ``stream``: o and y are
-    written with non-temporal stores (the caller fences). Returns where the scalar loop must start:
+    y may be x: each vector is read before it is written), w an fp32 one (``gain_exact`` as there).
+    ``stream``: o and y are
+    written with non-temporal stores (the caller fences; their rows must be 32-byte aligned). Returns where the scalar loop must start:
     0 without AVX512-BF16 or for a float64 ``rstd`` (fp64 compute)."""
     if not isinstance(rstd, types.Float):
         return None
-    sig = types.intp(*(types.int64,) * 5, rstd, types.intp, types.boolean, types.boolean)
+    sig = types.intp(*(types.int64,) * 5, rstd, types.intp, *(types.boolean,) * 3)
 
     def codegen(context, builder, signature, args):
-        xa, ra, oa, ya, wa, rstd_arg, n_arg, cast_hf_arg, stream_arg = args
+        xa, ra, oa, ya, wa, rstd_arg, n_arg, cast_hf_arg, gain_exact_arg, stream_arg = args
         if not (BF16_CVT and signature.args[5] == types.float32):
             return ir.Constant(n_arg.type, 0)
         px, pr, po, py = (builder.inttoptr(a, _I16.as_pointer()) for a in (xa, ra, oa, ya))
         pw = builder.inttoptr(wa, ir.FloatType().as_pointer())
         scale = _splat_arg(builder, rstd_arg)
 
-        def body(j, fused, hf, stream):
+        def body(j, fused, cast, stream):
             s = widen_bf16(builder, builder.load(_vec_at(builder, px, _V16H, j), align=2))
             if fused:
                 s = builder.fadd(s, widen_bf16(builder, builder.load(_vec_at(builder, pr, _V16H, j), align=2)))
                 _store16(builder, _emit_round16(builder, s), _vec_at(builder, po, _V16H, j), stream)
-            _emit_store_y(builder, s, scale, pw, py, j, hf, stream)
+            _emit_store_y(builder, s, scale, pw, py, j, cast, stream)
 
         fused = builder.icmp_unsigned("!=", ra, ir.Constant(ra.type, 0))
-        return _bf16_loops(builder, n_arg, [fused, cast_hf_arg, stream_arg], body)
+        cast = _cast_choice(builder, cast_hf_arg, gain_exact_arg)
+        return _bf16_loops(builder, n_arg, [fused, cast, stream_arg], body)
 
     return sig, codegen

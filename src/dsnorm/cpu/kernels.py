@@ -3,9 +3,11 @@ kernels that call it (plus the decode kernel, a serial one with fewer arguments)
 
 * One pass over memory: each row is widened once into a per-thread scratch row in the compute dtype
   (it stays in L1/L2), which the sum (:mod:`dsnorm.cpu.cascade`, torch's order) and the output
-  stage then read; inputs are read once, outputs written once. Then, as torch computes it,
-  ``mean = sum / n`` (true division), ``rstd = 1 / sqrt(mean + eps)`` (torch's CPU rsqrt),
-  ``xhat = s * rstd`` and only then ``weight * xhat``.
+  stage then read; inputs are read once from memory, outputs written once. Wide bf16 rows on CPUs
+  with AVX512-BF16 skip the scratch row: the sum reads the inputs, and the output stage reads them
+  again from L2 (see forward_rows). Then, as torch computes it, ``mean = sum / n`` (true
+  division), ``rstd = 1 / sqrt(mean + eps)`` (torch's CPU rsqrt), ``xhat = s * rstd`` and only
+  then ``weight * xhat``.
 * Calls by address: a parallel kernel calls its per-thread rows kernel through the rows kernel's
   compiled address, handed to it as an argument, instead of by name. Called by name, numba links
   the callee's whole machine-code module into the parallel kernel's and LLVM optimises the linked
@@ -39,11 +41,19 @@ from dsnorm.cpu.intrinsics import (
     store_fence,
 )
 from dsnorm.cpu.runtime import kernel
-from dsnorm.cpu.stages import load_row, load_span, round_row, store_row, store_scaled_row, store_sum_scaled_row
+from dsnorm.cpu.stages import (
+    gain_is_bf16,
+    load_row,
+    load_span,
+    round_row,
+    store_row,
+    store_scaled_row,
+    store_sum_scaled_row,
+)
 
 # This module's kernels compile those of the modules above into themselves: the digest of their
 # sources (see dsnorm.cpu.runtime) makes a change to any of them a change to this file.
-DEPENDENCIES_SHA256 = "989b134559429e50dca440088e0e3c3f1a21fb967327fe84ae5ff2846d434e56"
+DEPENDENCIES_SHA256 = "a8bca0cb0f6ce7ed3aa693b49e48d35c78a98b2df3150f37fab3f33a58c026bc"
 
 # Software prefetch of the next row, interleaved with the store pass (see forward_rows): every
 # _PREFETCH_BYTES of output stored, the matching 64-byte lines of the next row's inputs are
@@ -150,9 +160,15 @@ def forward_rows(
         and (res_addr == 0 or (fused_one_dtype and (r1 - r0) * n * x_size >= _DIRECT_FUSED_MIN_BYTES))
     )
     span_rout = I0 if direct else rout_addr
+    # A gain whose values are all bf16 (a bf16 gain the lane widened: vLLM's) is not rounded again
+    # in the Hugging Face order: the same bits, one rounding less per element.
+    gain_exact = cast_hf and x_code == BF16 and w_size == 4 and gain_is_bf16(w_addr, n)
     stream = (
         direct and y_addr != x_addr and (res_addr == 0 or rout_addr != res_addr)
         and (r1 - r0) * n * x_size >= _STREAM_MIN_BYTES
+        # every output row on a 32-byte boundary (a vector's non-temporal store needs it)
+        and (y_addr | y_stride * x_size) % 32 == 0
+        and (res_addr == 0 or (rout_addr | rout_stride * x_size) % 32 == 0)
     )
     for row in range(r0, r1):
         if not narrow:
@@ -204,10 +220,10 @@ def forward_rows(
             if direct:
                 store_sum_scaled_row(x_addr, row * x_stride + lo, res_addr, row * res_stride + lo,
                                      rout_addr, row * rout_stride + lo, y_addr, row * y_stride + lo,
-                                     w_addr + w_size * lo, rstd, hi - lo, cast_hf, stream)
+                                     w_addr + w_size * lo, rstd, hi - lo, cast_hf, gain_exact, stream)
             else:
                 store_scaled_row(y_addr, row * y_stride + lo, x_code, buf[lo:hi], w_addr + w_size * lo, rstd,
-                                 hi - lo, cast_hf)
+                                 hi - lo, cast_hf, gain_exact)
             lo = hi
     if stream:
         store_fence()

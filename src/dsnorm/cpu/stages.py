@@ -22,6 +22,7 @@ from dsnorm.cpu.intrinsics import (
     ptr_f32,
     ptr_f64,
     ptr_u16,
+    ptr_u32,
     round_to,
     scale_bf16_rows,
     scale_sum_bf16_rows,
@@ -154,12 +155,13 @@ def _load_add_store_row(x_addr, x_off, r_addr, r_off, o_addr, o_off, code, buf, 
 
 
 @njit(inline="always")
-def store_scaled_row(addr, offset, code, buf, w_addr, rstd, n, cast_hf):
-    """row = (w * (buf * rstd)) rounded once to ``code``; Hugging Face order with ``cast_hf``."""
+def store_scaled_row(addr, offset, code, buf, w_addr, rstd, n, cast_hf, gain_exact):
+    """row = (w * (buf * rstd)) rounded once to ``code``; Hugging Face order with ``cast_hf``
+    (``gain_exact``: see :func:`gain_is_bf16`)."""
     if code == BF16:
         wb = ptr_f32(w_addr)
         pb = ptr_u16(addr)
-        start = scale_bf16_rows(addr + 2 * offset, buf, w_addr, rstd, n, cast_hf)
+        start = scale_bf16_rows(addr + 2 * offset, buf, w_addr, rstd, n, cast_hf, gain_exact)
         if cast_hf:
             for j in range(start, n):
                 pb[offset + j] = f32_to_bf16(round_to(wb[j], BF16) * round_to(buf[j] * rstd, BF16))
@@ -189,13 +191,14 @@ def store_scaled_row(addr, offset, code, buf, w_addr, rstd, n, cast_hf):
 
 @njit(inline="always")
 def store_sum_scaled_row(x_addr, x_off, r_addr, r_off, o_addr, o_off, y_addr, y_off, w_addr, rstd, n, cast_hf,
-                         stream):
+                         gain_exact, stream):
     """The output stage without a scratch row, bf16 rows and an fp32 gain: ``s = x + r`` read again
     (``r_addr`` 0: ``s = x``), residual_out = s rounded (with r), y = (w * (s * rstd)) rounded once
     (Hugging Face order with ``cast_hf``); o may be r and y may be x (each element is read before
-    it is written). ``stream``: non-temporal stores for the vector part (the caller fences)."""
+    it is written). ``gain_exact``: see :func:`gain_is_bf16`; ``stream``: non-temporal stores for the
+    vector part (the caller fences)."""
     start = scale_sum_bf16_rows(x_addr + 2 * x_off, r_addr + 2 * r_off if r_addr != 0 else r_addr,
-                                o_addr + 2 * o_off, y_addr + 2 * y_off, w_addr, rstd, n, cast_hf, stream)
+                                o_addr + 2 * o_off, y_addr + 2 * y_off, w_addr, rstd, n, cast_hf, gain_exact, stream)
     px = ptr_u16(x_addr)
     pr = ptr_u16(r_addr)
     po = ptr_u16(o_addr)
@@ -210,6 +213,19 @@ def store_sum_scaled_row(x_addr, x_off, r_addr, r_off, o_addr, o_off, y_addr, y_
             py[y_off + j] = f32_to_bf16(round_to(wb[j], BF16) * round_to(v * rstd, BF16))
         else:
             py[y_off + j] = f32_to_bf16(wb[j] * (v * rstd))
+
+
+@njit(inline="always")
+def gain_is_bf16(w_addr, n):
+    """Whether every value of the fp32 gain row at ``w_addr`` is a bf16 value (its low 16 bits
+    zero), as a bf16 gain widened is: then the Hugging Face order's rounding of the gain changes
+    nothing (a NaN's bits included: y is NaN either way, and rounded to 0x7FC0), and the vector
+    stages skip it."""
+    p32 = ptr_u32(w_addr)
+    low = numba.uint32(0)
+    for j in range(n):
+        low |= p32[j] & numba.uint32(0xFFFF)
+    return low == 0
 
 
 @njit(inline="always")
