@@ -87,14 +87,14 @@ MUTANTS = (
     ),
     Mutant(
         "cast_deepseek_rounds_xhat", "cpu/stages.py",
-        "pb[offset + j] = f32_to_bf16(wb[j] * (buf[j] * rstd))",
-        "pb[offset + j] = f32_to_bf16(wb[j] * round_to(buf[j] * rstd, BF16))",
+        "return f32_to_bf16(w * (v * rstd))",
+        "return f32_to_bf16(w * round_to(v * rstd, BF16))",
         (_LANE,), "cast='deepseek' rounds x-hat to bf16 before the weight multiply",
     ),
     Mutant(
         "cast_hf_keeps_fp32", "cpu/stages.py",
-        "pb[offset + j] = f32_to_bf16(round_to(wb[j], BF16) * round_to(buf[j] * rstd, BF16))",
-        "pb[offset + j] = f32_to_bf16(wb[j] * (buf[j] * rstd))",
+        "return f32_to_bf16(round_to(w, BF16) * round_to(v * rstd, BF16))",
+        "return f32_to_bf16(w * (v * rstd))",
         (_LANE,), "cast='hf' multiplies in fp32 (DeepSeek's order) instead of rounding weight and x-hat",
     ),
     Mutant(

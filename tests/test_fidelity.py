@@ -5,6 +5,7 @@ torch's CPU reduction order is the one dsnorm replays (x86, widths <= 16384), el
 (bf16/fp16) or 4e-6 relative (fp32).
 """
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -328,21 +329,66 @@ def test_bf16_rounding_of_subnormals_and_nans_in_every_lane(width, cast):
 
 @pytest.mark.parametrize("width", [7168, 7171])
 @pytest.mark.parametrize("cast", ["deepseek", "hf"])
-def test_rows_beyond_the_caches_bitwise(cast, width):
+def test_rows_beyond_the_caches_bitwise(cast, width, threads):
     # On CPUs with AVX512-BF16, bf16 rows whose thread shares outgrow L2 are summed from the inputs
     # and read again for the outputs instead of through a scratch row, and fresh outputs past 8 MiB
     # a thread, their rows 32-byte aligned (7168 wide), are written with non-temporal stores (in
     # place keeps ordinary ones). 7171 wide: the whole level steps, then 3 elements through the
     # scratch row and the scalar tail of the stores.
+    # Two threads: the sizes above are per thread (2400 rows: 17 MB of x each).
+    torch.set_num_threads(2)
     x, r, w = _data((2400, width), torch.bfloat16, 31), _data((2400, width), torch.bfloat16, 32), _weight(width)
-    x[5, 100], r[7, width - 1], x[2399, 0] = float("nan"), float("inf"), 1e19
+    tiny = torch.tensor([3, 5, 0x7F, 0x8001], dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    for i in range(64):  # subnormal sums at every lane of a vector, in the first rows of both threads
+        for row in (i, 1200 + i):
+            x[row, 7 * i % width], r[row, 7 * i % width] = tiny[i % 4], tiny[(i + 1) % 4]
+    x[5, 100], r[7, width - 1], x[2399, 0] = float("nan"), -float("nan"), 1e19
     y_ref, res_ref = fused_add_rms_norm_ref(x, r, w, cast=cast)
-    y, res = dsnorm.fused_add_rms_norm(x, r, w, cast=cast)
-    assert bits_equal(y, y_ref) and bits_equal(res, res_ref)
-    xi, ri = x.clone(), r.clone()
-    dsnorm.fused_add_rms_norm_(xi, ri, w, cast=cast)
-    assert bits_equal(xi, y_ref) and bits_equal(ri, res_ref)
-    assert bits_equal(dsnorm.rms_norm(x, w, cast=cast), rms_norm_ref(x, w, cast=cast))
+    for y, res in (dsnorm.fused_add_rms_norm(x, r, w, cast=cast),
+                   dsnorm.fused_add_rms_norm_(x.clone(), r.clone(), w, cast=cast)):
+        assert torch.equal(_bits(res)[~res_ref.isnan()], _bits(res_ref)[~res_ref.isnan()])
+        assert bits_equal(y, y_ref)
+        assert (_bits(res)[res_ref.isnan()] == 0x7FC0).all() and (_bits(y)[y_ref.isnan()] == 0x7FC0).all()
+    y, y_ref = dsnorm.rms_norm(x, w, cast=cast), rms_norm_ref(x, w, cast=cast)
+    assert bits_equal(y, y_ref) and (_bits(y)[y_ref.isnan()] == 0x7FC0).all()
+
+
+def test_the_same_bits_on_cpus_without_avx512_bf16(tmp_path):
+    # Where the CPU has AVX512-BF16 the bf16 paths differ (the conversion instruction, rows summed
+    # and stored without the scratch row, streaming stores); a child process compiling for this CPU
+    # less that feature runs what every other x86 CPU runs, and must give the same bits.
+    from numba.core.codegen import get_host_cpu_features
+
+    features = get_host_cpu_features()
+    if "+avx512bf16" not in features.split(","):
+        pytest.skip("this CPU has no AVX512-BF16: what runs here is already the other path")
+    script = tmp_path / "cases.py"
+    script.write_text(textwrap.dedent("""
+        import sys, torch, dsnorm
+        torch.manual_seed(0)
+        torch.set_num_threads(2)
+        out = []
+        for rows, width in ((2400, 7168), (64, 7168), (24, 7171), (8, 1536), (3, 600)):
+            x = torch.randn(rows, width).bfloat16()
+            r = (4 * torch.randn(rows, width)).bfloat16()
+            x[0, 1], r[0, 1] = 1e-39, 2e-39  # a subnormal sum
+            x[-1, 3] = float("nan")
+            for w in (1 + 0.1 * torch.randn(width), (1 + 0.1 * torch.randn(width)).bfloat16()):
+                for cast in ("deepseek", "hf"):
+                    out += [dsnorm.rms_norm(x, w, cast=cast), *dsnorm.fused_add_rms_norm(x, r, w, cast=cast)]
+                    xi, ri = x.clone(), r.clone()
+                    dsnorm.fused_add_rms_norm_(xi, ri, w, cast=cast)
+                    out += [xi, ri]
+        torch.save([t.view(torch.int16) for t in out], sys.argv[1])
+    """))
+    env = dict(os.environ, NUMBA_CPU_FEATURES=features.replace("+avx512bf16", "-avx512bf16"),
+               NUMBA_CACHE_DIR=str(tmp_path / "numba"))
+    subprocess.run([sys.executable, str(script), str(tmp_path / "without.pt")], env=env, check=True)
+    subprocess.run([sys.executable, str(script), str(tmp_path / "with.pt")], check=True)
+    with_, without = torch.load(tmp_path / "with.pt"), torch.load(tmp_path / "without.pt")
+    assert len(with_) == len(without) == 5 * 2 * 2 * 5
+    for k, (a, b) in enumerate(zip(with_, without)):
+        assert torch.equal(a, b), k
 
 
 @pytest.mark.parametrize("shape", [(0, 7168), (2, 0, 512), (0,)])

@@ -22,9 +22,11 @@ The squares are rounded to fp32 before they are added (the reference materialise
 no multiply-add may be contracted into an FMA (numba never contracts without fastmath).
 
 A wide row is summed a level step at a time (:func:`sum_step`, then :func:`sum_finish`), its
-accumulators in the scratch row's tail (``ACC_SLOTS``). A row of at most 16 groups (fp32 compute:
-narrower than 544 elements, kv_norm's 512 included) keeps the whole cascade in registers
-(:func:`sumsq_narrow`). The chains and adds of the accumulators are written as vector IR
+accumulators in the scratch row's tail (``ACC_SLOTS``); a step's values come from the scratch row,
+or, for bf16 rows on CPUs with AVX512-BF16, straight from the inputs (:func:`sum_step_bf16`) or
+from the fused stage that fills the scratch row in the same loop (:func:`sum_step_add_bf16`). A
+row of at most 16 groups (fp32 compute: narrower than 544 elements, kv_norm's 512 included) keeps
+the whole cascade in registers (:func:`sumsq_narrow`). The chains and adds of the accumulators are written as vector IR
 (:func:`_chain32`, :func:`_add32`): LLVM's vectorisers leave them scalar.
 """
 
@@ -34,7 +36,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from dsnorm.cpu.intrinsics import widen_bf16
+from dsnorm.cpu.intrinsics import round16_bf16, widen_bf16
 
 # Vector lanes torch's CPU sum uses for fp32 (doubles: half as many).
 SUM_LANES = 8
@@ -96,8 +98,8 @@ def _emit_chains_of(builder, load, count, vec):
 @intrinsic
 def _chain32(typingctx, buf, offset, count, out):
     """out[t] = sum over g < count of buf[offset + 32 g + t]^2 for t < 32 (buf, out: contiguous
-    1-D arrays of one float dtype): thirty-two sequential chains starting from zero, held in four
-    explicit 8-lane vectors: the accumulators of one level-0 step.
+    1-D arrays of one float dtype): thirty-two sequential chains starting from zero, held in
+    explicit vectors (:func:`_emit_chains_of`): the accumulators of one level-0 step.
 
     Each lane is the scalar chain ``acc += v * v`` (a rounded square, then a rounded add; no FMA:
     no fast-math flag lets LLVM contract them), so the bits are those of 32 scalar accumulators.
@@ -165,6 +167,45 @@ def _chain32_bf16(typingctx, x_addr, r_addr, offset, count, out):
                 accs = _emit_chains_of(
                     builder, lambda i, wide: builder.fadd(widened(px, i, wide), widened(pr, i, wide)), count_arg, vec)
                 _store_accs(builder, accs, dst, vec)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _chain32_add_bf16(typingctx, x_addr, r_addr, o_addr, buf, offset, count, out):
+    """The fused bf16 stage and ``_chain32`` in one loop: for ``count`` groups of 32 elements from
+    ``offset``, ``s = x + r`` widened, ``o = f32_to_bf16(s)``, ``buf = s``, and s's squares into the
+    accumulators ``out[0:32]``: the same bits as the stage, then ``_chain32`` of ``buf``, without
+    reading buf back. fp32 compute only (as ``_chain32_bf16``)."""
+    if not (isinstance(out, types.Array) and out.dtype in (types.float32, types.float64) and out.ndim == 1
+            and out.layout == "C" and isinstance(buf, types.Array) and buf.dtype == out.dtype):
+        return None
+    sig = types.void(types.int64, types.int64, types.int64, buf, types.intp, types.intp, out)
+
+    def codegen(context, builder, signature, args):
+        from numba.core import cgutils
+
+        xa, ra, oa, buf_arg, offset_arg, count_arg, out_arg = args
+        if signature.args[6].dtype != types.float32:
+            with cgutils.if_unlikely(builder, cgutils.true_bit):
+                context.call_conv.return_user_exc(builder, AssertionError, ("_chain32_add_bf16: fp32 compute only",))
+            return context.get_dummy_value()
+        vec = ir.VectorType(ir.FloatType(), 8)
+        bits16 = ir.VectorType(ir.IntType(16), 16)
+        px, pr, po = (builder.gep(builder.inttoptr(a, ir.IntType(16).as_pointer()), [offset_arg]) for a in (xa, ra, oa))
+        pb = builder.gep(context.make_array(signature.args[3])(context, builder, buf_arg).data, [offset_arg])
+
+        def load(index, wide):
+            s = builder.fadd(widen_bf16(builder, _load_vec(builder, px, index, bits16, 2)),
+                             widen_bf16(builder, _load_vec(builder, pr, index, bits16, 2)))
+            rounded = builder.bitcast(builder.gep(po, [index]), bits16.as_pointer())
+            builder.store(round16_bf16(builder, s), rounded, align=2)
+            builder.store(s, builder.bitcast(builder.gep(pb, [index]), wide.as_pointer()), align=4)
+            return s
+
+        accs = _emit_chains_of(builder, load, count_arg, vec)
+        _store_accs(builder, accs, context.make_array(signature.args[6])(context, builder, out_arg).data, vec)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -297,6 +338,14 @@ def sum_step(buf, i, lanes, level_power, acc):
 def sum_step_bf16(x_addr, r_addr, i, level_power, acc):
     """:func:`sum_step` of the row ``x + r`` (``r_addr`` 0: ``x``) read from bf16 rows, 8 lanes."""
     _chain32_bf16(x_addr, r_addr, i * 32, 1 << level_power, acc)
+    return _cascade(i + (1 << level_power), SUM_LANES, level_power, acc)
+
+
+@njit(inline="always")
+def sum_step_add_bf16(x_addr, r_addr, o_addr, buf, i, level_power, acc):
+    """The fused bf16 stage over one level step (buf = x + r, o = buf rounded) and
+    :func:`sum_step` of it, in one pass; row addresses, 8 lanes, fp32 compute."""
+    _chain32_add_bf16(x_addr, r_addr, o_addr, buf, i * 32, 1 << level_power, acc)
     return _cascade(i + (1 << level_power), SUM_LANES, level_power, acc)
 
 

@@ -35,7 +35,7 @@ from dsnorm.cpu.stages import load_row
 
 # This module's kernels compile those of the modules above into themselves: the digest of their
 # sources (see dsnorm.cpu.runtime) makes a change to any of them a change to this file.
-DEPENDENCIES_SHA256 = "fc82f194e325574169aaeb9db534937eea2cf469abd5fd5802da2a4626df2228"
+DEPENDENCIES_SHA256 = "cf3dc6388551322074a140cc288507cff262846fda8a28bb4ca1a6e37503a58c"
 
 _ptr_u8 = pointer_intrinsic(types.uint8, ir.IntType(8))
 _ptr_i64 = pointer_intrinsic(types.int64, ir.IntType(64))

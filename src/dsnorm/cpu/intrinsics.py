@@ -194,13 +194,14 @@ def by_address(*signatures):
 
 
 def _target_features() -> str:
-    """The CPU features numba compiles for (its own rule: ``NUMBA_CPU_FEATURES``, else the host's);
-    they are part of its cache key, so a kernel cached for another CPU is not reused here."""
+    """The CPU features numba compiles for, by numba's own rule (``NUMBA_CPU_FEATURES``, else the
+    host's less what ``NUMBA_ENABLE_AVX=0`` turns off); they are part of its cache key, so a
+    kernel cached for other features is not reused here."""
     if numba.config.CPU_FEATURES is not None:
         return numba.config.CPU_FEATURES
-    import llvmlite.binding as llvm
+    from numba.core.codegen import get_host_cpu_features
 
-    return llvm.get_host_cpu_features().flatten()
+    return get_host_cpu_features()
 
 
 BF16_CVT = "+avx512bf16" in _target_features().split(",")
@@ -209,19 +210,6 @@ _I1, _I16, _I32 = ir.IntType(1), ir.IntType(16), ir.IntType(32)
 _V16F = ir.VectorType(ir.FloatType(), 16)
 _V16I = ir.VectorType(_I32, 16)
 _V16H = ir.VectorType(_I16, 16)
-
-
-class _BFloat(ir.types._BaseFloatType):
-    """LLVM's ``bfloat`` (llvmlite has no such type; the conversion intrinsic returns it)."""
-
-    null = "0.0"
-    intrinsic_name = "bf16"
-
-    def __str__(self):
-        return "bfloat"
-
-
-_BFloat._create_instance()
 
 
 def _splat(vec, value):
@@ -238,15 +226,18 @@ def _declare(module, name, ret, args):
 def widen_bf16(builder, bits):
     """IR: a vector of bf16 bits (``<k x i16>``) widened, exactly, to ``<k x float>``."""
     ints = ir.VectorType(_I32, bits.type.count)
-    return builder.bitcast(builder.shl(builder.zext(bits, ints), _splat(ints, 16)), ir.VectorType(ir.FloatType(), ints.count))
+    floats = ir.VectorType(ir.FloatType(), ints.count)
+    return builder.bitcast(builder.shl(builder.zext(bits, ints), _splat(ints, 16)), floats)
 
 
-def _emit_round16(builder, value):
-    """<16 x float> -> <16 x i16>: f32_to_bf16 of each lane."""
+def round16_bf16(builder, value):
+    """IR: <16 x float> -> <16 x i16>, f32_to_bf16 of each lane."""
     u = builder.bitcast(value, _V16I)
-    cvt = _declare(builder.module, "llvm.x86.avx512bf16.cvtneps2bf16.512", ir.VectorType(_BFloat(), 16), [_V16F])
+    # Declared with its LLVM 15 signature (<16 x i16>; llvmlite has no bfloat type), which later
+    # LLVMs upgrade to their <16 x bfloat> one when they read the IR.
+    cvt = _declare(builder.module, "llvm.x86.avx512bf16.cvtneps2bf16.512", _V16H, [_V16F])
     fpclass = _declare(builder.module, "llvm.x86.avx512.fpclass.ps.512", ir.VectorType(_I1, 16), [_V16F, _I32])
-    bits = cgutils.alloca_once_value(builder, builder.bitcast(builder.call(cvt, [value]), _V16H))
+    bits = cgutils.alloca_once_value(builder, builder.call(cvt, [value]))
     # 0xA1: quiet NaN, signalling NaN, denormal; the lanes where the instruction is not torch's rule.
     special = builder.bitcast(builder.call(fpclass, [value, ir.Constant(_I32, 0xA1)]), _I16)
     with builder.if_then(builder.icmp_unsigned("!=", special, ir.Constant(_I16, 0)), likely=False):
@@ -255,17 +246,6 @@ def _emit_round16(builder, value):
         nan = builder.fcmp_unordered("uno", value, value)
         builder.store(builder.select(nan, _splat(_V16H, 0x7FC0), builder.trunc(rounded, _V16H)), bits)
     return builder.load(bits)
-
-
-def _emit_round_widen16(builder, value):
-    """<16 x float> rounded to bf16 and widened again (round_to(v, BF16) of each lane), in the fp32
-    domain: the bit trick with the low half cleared, a NaN made 0x7FC00000; no narrowing, no
-    branch, the same bits as going through :func:`_emit_round16`."""
-    u = builder.bitcast(value, _V16I)
-    odd = builder.and_(builder.lshr(u, _splat(_V16I, 16)), _splat(_V16I, 1))
-    rounded = builder.and_(builder.add(builder.add(u, _splat(_V16I, 0x7FFF)), odd), _splat(_V16I, 0xFFFF0000))
-    nan = builder.fcmp_unordered("uno", value, value)
-    return builder.bitcast(builder.select(nan, _splat(_V16I, 0x7FC00000), rounded), _V16F)
 
 
 def _vec_at(builder, base, vec, index):
@@ -283,7 +263,7 @@ def _bf16_row_loop(builder, n, body):
 
 
 def _fp32_row(row):
-    return isinstance(row, types.Array) and row.dtype == types.float32 and row.ndim == 1 and row.layout in "CA"
+    return isinstance(row, types.Array) and row.dtype == types.float32 and row.ndim == 1 and row.layout == "C"
 
 
 @intrinsic
@@ -306,7 +286,7 @@ def add_bf16_rows(typingctx, x_addr, r_addr, o_addr, buf, n, round_first):
         def body(j):
             s = builder.fadd(widen_bf16(builder, builder.load(_vec_at(builder, px, _V16H, j), align=2)),
                              widen_bf16(builder, builder.load(_vec_at(builder, pr, _V16H, j), align=2)))
-            bits = _emit_round16(builder, s)
+            bits = round16_bf16(builder, s)
             builder.store(bits, _vec_at(builder, po, _V16H, j), align=2)
             kept = builder.select(round_first_arg, widen_bf16(builder, bits), s)
             builder.store(kept, _vec_at(builder, data, _V16F, j), align=4)
@@ -357,11 +337,11 @@ def _emit_store_y(builder, s, scale, pw, py, j, cast, stream=False):
     xhat = builder.fmul(s, scale)
     w = builder.load(_vec_at(builder, pw, _V16F, j), align=4)
     if cast == "hf":
-        w = widen_bf16(builder, _emit_round16(builder, w))
+        w = widen_bf16(builder, round16_bf16(builder, w))
     if cast != "deepseek":
-        xhat = widen_bf16(builder, _emit_round16(builder, xhat))
+        xhat = widen_bf16(builder, round16_bf16(builder, xhat))
     y = builder.fmul(w, xhat)
-    _store16(builder, _emit_round16(builder, y), _vec_at(builder, py, _V16H, j), stream)
+    _store16(builder, round16_bf16(builder, y), _vec_at(builder, py, _V16H, j), stream)
 
 
 def _bf16_loops(builder, n, choices, body):
@@ -397,8 +377,7 @@ def _cast_choice(builder, cast_hf, gain_exact):
 
 def _store16(builder, value, ptr, stream):
     """Stores a <16 x i16>; ``stream``: a non-temporal store (no read for ownership of the line,
-    not kept in cache), for outputs larger than the caches, at a 32-byte aligned ``ptr`` (the
-    caller's part: unaligned, LLVM splits it into four 8-byte non-temporal stores)."""
+    not kept in cache), for outputs larger than the caches, at a 32-byte aligned ``ptr``."""
     store = builder.store(value, ptr, align=32 if stream else 2)
     if stream:
         store.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(_I32, 1)]))
@@ -422,9 +401,9 @@ def scale_sum_bf16_rows(typingctx, x_addr, r_addr, o_addr, y_addr, w_addr, rstd,
     to 16, ``s = x[j] + r[j]`` widened (``r_addr`` 0: ``s = x[j]``), ``o[j] = f32_to_bf16(s)`` (with
     ``r``) and ``y[j]`` from ``s`` as in :func:`scale_bf16_rows`; x, r, o, y bf16 rows (o may be r,
     y may be x: each vector is read before it is written), w an fp32 one (``gain_exact`` as there).
-    ``stream``: o and y are
-    written with non-temporal stores (the caller fences; their rows must be 32-byte aligned). Returns where the scalar loop must start:
-    0 without AVX512-BF16 or for a float64 ``rstd`` (fp64 compute)."""
+    ``stream``: o and y are written with non-temporal stores where both start on a 32-byte
+    boundary (checked here; the caller fences). Returns where the scalar loop must start: 0 without
+    AVX512-BF16 or for a float64 ``rstd`` (fp64 compute)."""
     if not isinstance(rstd, types.Float):
         return None
     sig = types.intp(*(types.int64,) * 5, rstd, types.intp, *(types.boolean,) * 3)
@@ -441,11 +420,16 @@ def scale_sum_bf16_rows(typingctx, x_addr, r_addr, o_addr, y_addr, w_addr, rstd,
             s = widen_bf16(builder, builder.load(_vec_at(builder, px, _V16H, j), align=2))
             if fused:
                 s = builder.fadd(s, widen_bf16(builder, builder.load(_vec_at(builder, pr, _V16H, j), align=2)))
-                _store16(builder, _emit_round16(builder, s), _vec_at(builder, po, _V16H, j), stream)
+                _store16(builder, round16_bf16(builder, s), _vec_at(builder, po, _V16H, j), stream)
             _emit_store_y(builder, s, scale, pw, py, j, cast, stream)
 
-        fused = builder.icmp_unsigned("!=", ra, ir.Constant(ra.type, 0))
+        zero = ir.Constant(ra.type, 0)
+        fused = builder.icmp_unsigned("!=", ra, zero)
+        # A vector's non-temporal store needs 32-byte alignment (unaligned, LLVM splits it into
+        # four 8-byte MOVNTSD); o is written only with r.
+        outputs = builder.or_(ya, builder.select(fused, oa, zero))
+        aligned = builder.icmp_unsigned("==", builder.and_(outputs, ir.Constant(ra.type, 31)), zero)
         cast = _cast_choice(builder, cast_hf_arg, gain_exact_arg)
-        return _bf16_loops(builder, n_arg, [fused, cast, stream_arg], body)
+        return _bf16_loops(builder, n_arg, [fused, cast, builder.and_(stream_arg, aligned)], body)
 
     return sig, codegen

@@ -3,9 +3,10 @@ kernels that call it (plus the decode kernel, a serial one with fewer arguments)
 
 * One pass over memory: each row is widened once into a per-thread scratch row in the compute dtype
   (it stays in L1/L2), which the sum (:mod:`dsnorm.cpu.cascade`, torch's order) and the output
-  stage then read; inputs are read once from memory, outputs written once. Wide bf16 rows on CPUs
-  with AVX512-BF16 skip the scratch row: the sum reads the inputs, and the output stage reads them
-  again from L2 (see forward_rows). Then, as torch computes it, ``mean = sum / n`` (true
+  stage then read; inputs are read once from memory, outputs written once. On CPUs with
+  AVX512-BF16, wide one-dtype bf16 rows in fp32 compute (not ``round_first``; fused ones from 2 MiB
+  a thread on) skip it but for a row's tail: the sum reads the inputs, and the output stage reads
+  them again from L2 (see forward_rows). Then, as torch computes it, ``mean = sum / n`` (true
   division), ``rstd = 1 / sqrt(mean + eps)`` (torch's CPU rsqrt), ``xhat = s * rstd`` and only
   then ``weight * xhat``.
 * Calls by address: a parallel kernel calls its per-thread rows kernel through the rows kernel's
@@ -28,7 +29,16 @@ import numba
 import numpy as np
 from numba import njit, prange, types
 
-from dsnorm.cpu.cascade import ACC_SLOTS, SUM_LANES, sum_finish, sum_layout, sum_step, sum_step_bf16, sumsq_narrow
+from dsnorm.cpu.cascade import (
+    ACC_SLOTS,
+    SUM_LANES,
+    sum_finish,
+    sum_layout,
+    sum_step,
+    sum_step_add_bf16,
+    sum_step_bf16,
+    sumsq_narrow,
+)
 from dsnorm.cpu.intrinsics import (
     BF16,
     BF16_CVT,
@@ -53,7 +63,7 @@ from dsnorm.cpu.stages import (
 
 # This module's kernels compile those of the modules above into themselves: the digest of their
 # sources (see dsnorm.cpu.runtime) makes a change to any of them a change to this file.
-DEPENDENCIES_SHA256 = "a8bca0cb0f6ce7ed3aa693b49e48d35c78a98b2df3150f37fab3f33a58c026bc"
+DEPENDENCIES_SHA256 = "40e77ca03d1dc0ea184c5b5c301687912716270af6cf6a0ceb2966dc5cdd53a5"
 
 # Software prefetch of the next row, interleaved with the store pass (see forward_rows): every
 # _PREFETCH_BYTES of output stored, the matching 64-byte lines of the next row's inputs are
@@ -160,15 +170,18 @@ def forward_rows(
         and (res_addr == 0 or (fused_one_dtype and (r1 - r0) * n * x_size >= _DIRECT_FUSED_MIN_BYTES))
     )
     span_rout = I0 if direct else rout_addr
+    # Below that size, the fused bf16 stage fills the scratch row and sums each vector in the same
+    # loop, from registers, instead of reading the step back from L1 for the sum.
+    fused_step = (
+        BF16_CVT and not direct and fused_one_dtype and x_code == BF16 and scratch.itemsize == 4
+        and not round_first and not narrow and lanes == lanes_max
+    )
     # A gain whose values are all bf16 (a bf16 gain the lane widened: vLLM's) is not rounded again
     # in the Hugging Face order: the same bits, one rounding less per element.
     gain_exact = cast_hf and x_code == BF16 and w_size == 4 and gain_is_bf16(w_addr, n)
     stream = (
         direct and y_addr != x_addr and (res_addr == 0 or rout_addr != res_addr)
         and (r1 - r0) * n * x_size >= _STREAM_MIN_BYTES
-        # every output row on a 32-byte boundary (a vector's non-temporal store needs it)
-        and (y_addr | y_stride * x_size) % 32 == 0
-        and (res_addr == 0 or (rout_addr | rout_stride * x_size) % 32 == 0)
     )
     for row in range(r0, r1):
         if not narrow:
@@ -186,6 +199,10 @@ def forward_rows(
             full_step = not narrow and i + (1 << level_power) <= groups
             if direct and full_step:
                 i = sum_step_bf16(x_row, res_row, i, level_power, acc)
+                lo += step_len
+                continue
+            if fused_step and full_step:
+                i = sum_step_add_bf16(x_row, res_row, rout_addr + row * rout_stride * x_size, buf, i, level_power, acc)
                 lo += step_len
                 continue
             hi = lo + step_len if full_step else n

@@ -155,6 +155,16 @@ def _load_add_store_row(x_addr, x_off, r_addr, r_off, o_addr, o_off, code, buf, 
 
 
 @njit(inline="always")
+def _scaled_bf16(w, v, rstd, cast_hf):
+    """y's bf16 bits: ``w * (v * rstd)`` rounded once, or in the Hugging Face order ``round(w) *
+    round(v * rstd)`` rounded (round: to bf16 and back); intrinsics.scale_bf16_rows is its vector
+    form."""
+    if cast_hf:
+        return f32_to_bf16(round_to(w, BF16) * round_to(v * rstd, BF16))
+    return f32_to_bf16(w * (v * rstd))
+
+
+@njit(inline="always")
 def store_scaled_row(addr, offset, code, buf, w_addr, rstd, n, cast_hf, gain_exact):
     """row = (w * (buf * rstd)) rounded once to ``code``; Hugging Face order with ``cast_hf``
     (``gain_exact``: see :func:`gain_is_bf16`)."""
@@ -164,10 +174,10 @@ def store_scaled_row(addr, offset, code, buf, w_addr, rstd, n, cast_hf, gain_exa
         start = scale_bf16_rows(addr + 2 * offset, buf, w_addr, rstd, n, cast_hf, gain_exact)
         if cast_hf:
             for j in range(start, n):
-                pb[offset + j] = f32_to_bf16(round_to(wb[j], BF16) * round_to(buf[j] * rstd, BF16))
+                pb[offset + j] = _scaled_bf16(wb[j], buf[j], rstd, True)
         else:
             for j in range(start, n):
-                pb[offset + j] = f32_to_bf16(wb[j] * (buf[j] * rstd))
+                pb[offset + j] = _scaled_bf16(wb[j], buf[j], rstd, False)
     elif code == F16:
         wh = ptr_f32(w_addr)
         ph = ptr_u16(addr)
@@ -209,10 +219,7 @@ def store_sum_scaled_row(x_addr, x_off, r_addr, r_off, o_addr, o_off, y_addr, y_
         if r_addr != 0:
             v += bf16_to_f32(pr[r_off + j])
             po[o_off + j] = f32_to_bf16(v)
-        if cast_hf:
-            py[y_off + j] = f32_to_bf16(round_to(wb[j], BF16) * round_to(v * rstd, BF16))
-        else:
-            py[y_off + j] = f32_to_bf16(wb[j] * (v * rstd))
+        py[y_off + j] = _scaled_bf16(wb[j], v, rstd, cast_hf)
 
 
 @njit(inline="always")
