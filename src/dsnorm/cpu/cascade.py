@@ -36,7 +36,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from dsnorm.cpu.intrinsics import round16_bf16, widen_bf16
+from dsnorm.cpu.intrinsics import emit_add_bf16, widen_bf16
 
 # Vector lanes torch's CPU sum uses for fp32 (doubles: half as many).
 SUM_LANES = 8
@@ -192,17 +192,12 @@ def _chain32_add_bf16(typingctx, x_addr, r_addr, o_addr, buf, offset, count, out
                 context.call_conv.return_user_exc(builder, AssertionError, ("_chain32_add_bf16: fp32 compute only",))
             return context.get_dummy_value()
         vec = ir.VectorType(ir.FloatType(), 8)
-        bits16 = ir.VectorType(ir.IntType(16), 16)
         px, pr, po = (builder.gep(builder.inttoptr(a, ir.IntType(16).as_pointer()), [offset_arg]) for a in (xa, ra, oa))
         pb = builder.gep(context.make_array(signature.args[3])(context, builder, buf_arg).data, [offset_arg])
 
-        def load(index, wide):
-            s = builder.fadd(widen_bf16(builder, _load_vec(builder, px, index, bits16, 2)),
-                             widen_bf16(builder, _load_vec(builder, pr, index, bits16, 2)))
-            rounded = builder.bitcast(builder.gep(po, [index]), bits16.as_pointer())
-            builder.store(round16_bf16(builder, s), rounded, align=2)
-            builder.store(s, builder.bitcast(builder.gep(pb, [index]), wide.as_pointer()), align=4)
-            return s
+        def load(index, wide):  # a group's two 16-lane halves: the stage's vectors themselves
+            assert wide.count == 16
+            return emit_add_bf16(builder, px, pr, po, pb, index)
 
         accs = _emit_chains_of(builder, load, count_arg, vec)
         _store_accs(builder, accs, context.make_array(signature.args[6])(context, builder, out_arg).data, vec)

@@ -283,17 +283,22 @@ def add_bf16_rows(typingctx, x_addr, r_addr, o_addr, buf, n, round_first):
         data = context.make_array(signature.args[3])(context, builder, buf_arg).data
         px, pr, po = (builder.inttoptr(a, _I16.as_pointer()) for a in (xa, ra, oa))
 
-        def body(j):
-            s = builder.fadd(widen_bf16(builder, builder.load(_vec_at(builder, px, _V16H, j), align=2)),
-                             widen_bf16(builder, builder.load(_vec_at(builder, pr, _V16H, j), align=2)))
-            bits = round16_bf16(builder, s)
-            builder.store(bits, _vec_at(builder, po, _V16H, j), align=2)
-            kept = builder.select(round_first_arg, widen_bf16(builder, bits), s)
-            builder.store(kept, _vec_at(builder, data, _V16F, j), align=4)
-
-        return _bf16_row_loop(builder, n_arg, body)
+        return _bf16_row_loop(builder, n_arg, lambda j: emit_add_bf16(builder, px, pr, po, data, j, round_first_arg))
 
     return sig, codegen
+
+
+def emit_add_bf16(builder, px, pr, po, pbuf, j, round_first=None):
+    """IR of the fused bf16 stage for the 16 elements from ``j`` of the row pointers (i16 for x,
+    r, o; float for the scratch row): ``s = x + r`` widened, ``o = f32_to_bf16(s)``, ``buf = s``
+    (with ``round_first``, an i1, the rounded sum widened). Returns the value stored in buf."""
+    s = builder.fadd(widen_bf16(builder, builder.load(_vec_at(builder, px, _V16H, j), align=2)),
+                     widen_bf16(builder, builder.load(_vec_at(builder, pr, _V16H, j), align=2)))
+    bits = round16_bf16(builder, s)
+    builder.store(bits, _vec_at(builder, po, _V16H, j), align=2)
+    kept = s if round_first is None else builder.select(round_first, widen_bf16(builder, bits), s)
+    builder.store(kept, _vec_at(builder, pbuf, _V16F, j), align=4)
+    return kept
 
 
 @intrinsic

@@ -63,7 +63,7 @@ from dsnorm.cpu.stages import (
 
 # This module's kernels compile those of the modules above into themselves: the digest of their
 # sources (see dsnorm.cpu.runtime) makes a change to any of them a change to this file.
-DEPENDENCIES_SHA256 = "40e77ca03d1dc0ea184c5b5c301687912716270af6cf6a0ceb2966dc5cdd53a5"
+DEPENDENCIES_SHA256 = "2ce0f17499c25cba26422684b77796df790a2e257295b09fa1a81e069f6dbcd5"
 
 # Software prefetch of the next row, interleaved with the store pass (see forward_rows): every
 # _PREFETCH_BYTES of output stored, the matching 64-byte lines of the next row's inputs are
@@ -164,18 +164,17 @@ def forward_rows(
     # is; a fused one (two inputs to read again, the sum to round in the output stage) once a
     # thread's rows come from beyond its L2, where the scratch row, sharing L1 with the streaming
     # inputs, slowed their reads (docs/performance.md).
-    direct = (
+    wide_bf16 = (
         BF16_CVT and x_code == BF16 and scratch.itemsize == 4 and not round_first and not narrow
         and lanes == lanes_max
-        and (res_addr == 0 or (fused_one_dtype and (r1 - r0) * n * x_size >= _DIRECT_FUSED_MIN_BYTES))
+    )
+    direct = wide_bf16 and (
+        res_addr == 0 or (fused_one_dtype and (r1 - r0) * n * x_size >= _DIRECT_FUSED_MIN_BYTES)
     )
     span_rout = I0 if direct else rout_addr
     # Below that size, the fused bf16 stage fills the scratch row and sums each vector in the same
     # loop, from registers, instead of reading the step back from L1 for the sum.
-    fused_step = (
-        BF16_CVT and not direct and fused_one_dtype and x_code == BF16 and scratch.itemsize == 4
-        and not round_first and not narrow and lanes == lanes_max
-    )
+    fused_step = wide_bf16 and fused_one_dtype and not direct
     # A gain whose values are all bf16 (a bf16 gain the lane widened: vLLM's) is not rounded again
     # in the Hugging Face order: the same bits, one rounding less per element.
     gain_exact = cast_hf and x_code == BF16 and w_size == 4 and gain_is_bf16(w_addr, n)
