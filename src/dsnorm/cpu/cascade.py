@@ -26,8 +26,8 @@ accumulators in the scratch row's tail (``ACC_SLOTS``); a step's values come fro
 or, for bf16 rows on CPUs with AVX512-BF16, straight from the inputs (:func:`sum_step_bf16`) or
 from the fused stage that fills the scratch row in the same loop (:func:`sum_step_add_bf16`). A
 row of at most 16 groups (fp32 compute: narrower than 544 elements, kv_norm's 512 included) keeps
-the whole cascade in registers (:func:`sumsq_narrow`). The chains and adds of the accumulators are written as vector IR
-(:func:`_chain32`, :func:`_add32`): LLVM's vectorisers leave them scalar.
+the whole cascade in registers (:func:`sumsq_narrow`). The chains and adds of the accumulators are
+written as vector IR (:func:`_chain32`, :func:`_add32`): LLVM's vectorisers leave them scalar.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from dsnorm.cpu.intrinsics import emit_add_bf16, widen_bf16
+from dsnorm.cpu.intrinsics import emit_add_bf16, load_bf16, vector_at
 
 # Vector lanes torch's CPU sum uses for fp32 (doubles: half as many).
 SUM_LANES = 8
@@ -59,7 +59,7 @@ def _ceil_log2(x):
 def _load_vec(builder, src, index, vec, align):
     """IR: the vector of type ``vec`` at element ``index`` of the element pointer ``src``
     (``align``: the element's alignment, all that is known of a row in the scratch)."""
-    return builder.load(builder.bitcast(builder.gep(src, [index]), vec.as_pointer()), align=align)
+    return builder.load(vector_at(builder, src, vec, index), align=align)
 
 
 def _emit_chains(builder, src, count, vec, align):
@@ -122,9 +122,7 @@ def _chain32(typingctx, buf, offset, count, out):
         src = context.make_array(signature.args[0])(context, builder, buf_arg).data
         dst = context.make_array(signature.args[3])(context, builder, out_arg).data
         accs = _emit_chains(builder, builder.gep(src, [offset_arg]), count_arg, vec, align)
-        for k in range(4):
-            ptr = builder.gep(dst, [ir.Constant(offset_arg.type, 8 * k)])
-            builder.store(builder.load(accs[k]), builder.bitcast(ptr, vec.as_pointer()), align=align)
+        _store_accs(builder, accs, dst, vec, align)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -144,29 +142,20 @@ def _chain32_bf16(typingctx, x_addr, r_addr, offset, count, out):
     sig = types.void(types.int64, types.int64, types.intp, types.intp, out)
 
     def codegen(context, builder, signature, args):
-        from numba.core import cgutils
-
         xa, ra, offset_arg, count_arg, out_arg = args
-        if signature.args[4].dtype != types.float32:
-            with cgutils.if_unlikely(builder, cgutils.true_bit):
-                context.call_conv.return_user_exc(builder, AssertionError, ("_chain32_bf16: fp32 compute only",))
+        if _fp32_only(context, builder, signature.args[4], "_chain32_bf16"):
             return context.get_dummy_value()
         vec = ir.VectorType(ir.FloatType(), 8)
-        px, pr = (builder.gep(builder.inttoptr(a, ir.IntType(16).as_pointer()), [offset_arg]) for a in (xa, ra))
-
-        def widened(base, index, wide):
-            bits = ir.VectorType(ir.IntType(16), wide.count)
-            return widen_bf16(builder, _load_vec(builder, base, index, bits, 2))
-
+        px, pr = _rows_at(builder, offset_arg, xa, ra)
         dst = context.make_array(signature.args[4])(context, builder, out_arg).data
         with builder.if_else(builder.icmp_unsigned("==", ra, ir.Constant(ra.type, 0))) as (plain, fused):
             with plain:
-                accs = _emit_chains_of(builder, lambda i, wide: widened(px, i, wide), count_arg, vec)
-                _store_accs(builder, accs, dst, vec)
+                accs = _emit_chains_of(builder, lambda i, wide: load_bf16(builder, px, i, wide.count), count_arg, vec)
+                _store_accs(builder, accs, dst, vec, 4)
             with fused:
-                accs = _emit_chains_of(
-                    builder, lambda i, wide: builder.fadd(widened(px, i, wide), widened(pr, i, wide)), count_arg, vec)
-                _store_accs(builder, accs, dst, vec)
+                accs = _emit_chains_of(builder, lambda i, wide: builder.fadd(
+                    load_bf16(builder, px, i, wide.count), load_bf16(builder, pr, i, wide.count)), count_arg, vec)
+                _store_accs(builder, accs, dst, vec, 4)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -184,15 +173,11 @@ def _chain32_add_bf16(typingctx, x_addr, r_addr, o_addr, buf, offset, count, out
     sig = types.void(types.int64, types.int64, types.int64, buf, types.intp, types.intp, out)
 
     def codegen(context, builder, signature, args):
-        from numba.core import cgutils
-
         xa, ra, oa, buf_arg, offset_arg, count_arg, out_arg = args
-        if signature.args[6].dtype != types.float32:
-            with cgutils.if_unlikely(builder, cgutils.true_bit):
-                context.call_conv.return_user_exc(builder, AssertionError, ("_chain32_add_bf16: fp32 compute only",))
+        if _fp32_only(context, builder, signature.args[6], "_chain32_add_bf16"):
             return context.get_dummy_value()
         vec = ir.VectorType(ir.FloatType(), 8)
-        px, pr, po = (builder.gep(builder.inttoptr(a, ir.IntType(16).as_pointer()), [offset_arg]) for a in (xa, ra, oa))
+        px, pr, po = _rows_at(builder, offset_arg, xa, ra, oa)
         pb = builder.gep(context.make_array(signature.args[3])(context, builder, buf_arg).data, [offset_arg])
 
         def load(index, wide):  # a group's two 16-lane halves: the stage's vectors themselves
@@ -200,17 +185,35 @@ def _chain32_add_bf16(typingctx, x_addr, r_addr, o_addr, buf, offset, count, out
             return emit_add_bf16(builder, px, pr, po, pb, index)
 
         accs = _emit_chains_of(builder, load, count_arg, vec)
-        _store_accs(builder, accs, context.make_array(signature.args[6])(context, builder, out_arg).data, vec)
+        _store_accs(builder, accs, context.make_array(signature.args[6])(context, builder, out_arg).data, vec, 4)
         return context.get_dummy_value()
 
     return sig, codegen
 
 
-def _store_accs(builder, accs, dst, vec):
-    """The four accumulator vectors to ``dst[0:4 * lanes]`` (element alignment)."""
+def _store_accs(builder, accs, dst, vec, align):
+    """The four accumulator vectors to ``dst[0:4 * lanes]`` (``align``: the element's alignment)."""
     for k in range(4):
-        ptr = builder.gep(dst, [ir.Constant(ir.IntType(64), vec.count * k)])
-        builder.store(builder.load(accs[k]), builder.bitcast(ptr, vec.as_pointer()), align=4)
+        index = ir.Constant(ir.IntType(64), vec.count * k)
+        builder.store(builder.load(accs[k]), vector_at(builder, dst, vec, index), align=align)
+
+
+def _rows_at(builder, offset, *addresses):
+    """i16 pointers to element ``offset`` of the bf16 rows at ``addresses``."""
+    return [builder.gep(builder.inttoptr(a, ir.IntType(16).as_pointer()), [offset]) for a in addresses]
+
+
+def _fp32_only(context, builder, out_type, name):
+    """In a kernel's fp64 compilation (``out_type`` a float64 array), code that raises
+    AssertionError in place of a bf16 chain, which runs with fp32 compute only; returns whether
+    it was emitted."""
+    from numba.core import cgutils
+
+    if out_type.dtype == types.float32:
+        return False
+    with cgutils.if_unlikely(builder, cgutils.true_bit):
+        context.call_conv.return_user_exc(builder, AssertionError, (f"{name}: fp32 compute only",))
+    return True
 
 
 @intrinsic

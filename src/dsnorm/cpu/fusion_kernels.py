@@ -35,7 +35,7 @@ from dsnorm.cpu.stages import load_row
 
 # This module's kernels compile those of the modules above into themselves: the digest of their
 # sources (see dsnorm.cpu.runtime) makes a change to any of them a change to this file.
-DEPENDENCIES_SHA256 = "5f585bcc94edd1cce152d774f2ef7e3c1251273da432d13ac3cb6abdc4ff7fac"
+DEPENDENCIES_SHA256 = "63762362ebb91884628b895bdfd75cec868b25821f3fc6ac25b640f4011dab93"
 
 _ptr_u8 = pointer_intrinsic(types.uint8, ir.IntType(8))
 _ptr_i64 = pointer_intrinsic(types.int64, ir.IntType(64))

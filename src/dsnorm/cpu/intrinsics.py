@@ -112,6 +112,14 @@ def round_to(value, code):
 # Memory hints and stack scratch.
 
 
+def _declare(module, name, ret, args):
+    """The LLVM function ``name`` of ``module``, declared with that signature if it is not yet."""
+    try:
+        return module.get_global(name)
+    except KeyError:
+        return ir.Function(module, ir.FunctionType(ret, args), name=name)
+
+
 @intrinsic
 def prefetch_line(typingctx, addr):
     """A read prefetch of the line at ``addr`` into L2, not L1 (llvm.prefetch with locality 2,
@@ -121,11 +129,7 @@ def prefetch_line(typingctx, addr):
     def codegen(context, builder, signature, args):
         i8p = ir.IntType(8).as_pointer()
         i32 = ir.IntType(32)
-        try:
-            fn = builder.module.get_global("llvm.prefetch.p0")
-        except KeyError:
-            fn = ir.Function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
-                             name="llvm.prefetch.p0")
+        fn = _declare(builder.module, "llvm.prefetch.p0", ir.VoidType(), [i8p, i32, i32, i32])
         # (address, 0: read, 2: locality "moderate", PREFETCHT1, 1: data cache)
         builder.call(fn, [builder.inttoptr(args[0], i8p), ir.Constant(i32, 0), ir.Constant(i32, 2),
                           ir.Constant(i32, 1)])
@@ -216,13 +220,6 @@ def _splat(vec, value):
     return ir.Constant(vec, [value] * vec.count)
 
 
-def _declare(module, name, ret, args):
-    try:
-        return module.get_global(name)
-    except KeyError:
-        return ir.Function(module, ir.FunctionType(ret, args), name=name)
-
-
 def widen_bf16(builder, bits):
     """IR: a vector of bf16 bits (``<k x i16>``) widened, exactly, to ``<k x float>``."""
     ints = ir.VectorType(_I32, bits.type.count)
@@ -248,9 +245,16 @@ def round16_bf16(builder, value):
     return builder.load(bits)
 
 
-def _vec_at(builder, base, vec, index):
-    """A pointer to the vector of type ``vec`` at element ``index`` of the element pointer ``base``."""
+def vector_at(builder, base, vec, index):
+    """IR: a pointer to the vector of type ``vec`` at element ``index`` of the element pointer
+    ``base``."""
     return builder.bitcast(builder.gep(base, [index]), vec.as_pointer())
+
+
+def load_bf16(builder, base, index, lanes=16):
+    """IR: ``lanes`` bf16 values from element ``index`` of the i16 pointer ``base``, widened to
+    float (element alignment only)."""
+    return widen_bf16(builder, builder.load(vector_at(builder, base, ir.VectorType(_I16, lanes), index), align=2))
 
 
 def _bf16_row_loop(builder, n, body):
@@ -288,16 +292,17 @@ def add_bf16_rows(typingctx, x_addr, r_addr, o_addr, buf, n, round_first):
     return sig, codegen
 
 
-def emit_add_bf16(builder, px, pr, po, pbuf, j, round_first=None):
+def emit_add_bf16(builder, px, pr, po, pbuf, j, round_first=None, stream=False):
     """IR of the fused bf16 stage for the 16 elements from ``j`` of the row pointers (i16 for x,
-    r, o; float for the scratch row): ``s = x + r`` widened, ``o = f32_to_bf16(s)``, ``buf = s``
-    (with ``round_first``, an i1, the rounded sum widened). Returns the value stored in buf."""
-    s = builder.fadd(widen_bf16(builder, builder.load(_vec_at(builder, px, _V16H, j), align=2)),
-                     widen_bf16(builder, builder.load(_vec_at(builder, pr, _V16H, j), align=2)))
+    r, o; float for the scratch row, or None for none): ``s = x + r`` widened, ``o =
+    f32_to_bf16(s)`` (``stream``: see :func:`_store16`), ``buf = s`` (with ``round_first``, an i1,
+    the rounded sum widened). Returns the value kept (stored in buf)."""
+    s = builder.fadd(load_bf16(builder, px, j), load_bf16(builder, pr, j))
     bits = round16_bf16(builder, s)
-    builder.store(bits, _vec_at(builder, po, _V16H, j), align=2)
+    _store16(builder, bits, vector_at(builder, po, _V16H, j), stream)
     kept = s if round_first is None else builder.select(round_first, widen_bf16(builder, bits), s)
-    builder.store(kept, _vec_at(builder, pbuf, _V16F, j), align=4)
+    if pbuf is not None:
+        builder.store(kept, vector_at(builder, pbuf, _V16F, j), align=4)
     return kept
 
 
@@ -322,7 +327,7 @@ def scale_bf16_rows(typingctx, y_addr, buf, w_addr, rstd, n, cast_hf, gain_exact
         scale = _splat_arg(builder, rstd_arg)
 
         def body(j, cast):
-            s = builder.load(_vec_at(builder, data, _V16F, j), align=4)
+            s = builder.load(vector_at(builder, data, _V16F, j), align=4)
             _emit_store_y(builder, s, scale, pw, py, j, cast)
 
         return _bf16_loops(builder, n_arg, [_cast_choice(builder, cast_hf_arg, gain_exact_arg)], body)
@@ -340,13 +345,13 @@ def _emit_store_y(builder, s, scale, pw, py, j, cast, stream=False):
     """y[j:j+16] = f32_to_bf16(w * (s * scale)), or for the Hugging Face forms of round(w) *
     round(s * scale) (round: to bf16 and back; ``cast`` from :func:`_cast_choice`)."""
     xhat = builder.fmul(s, scale)
-    w = builder.load(_vec_at(builder, pw, _V16F, j), align=4)
+    w = builder.load(vector_at(builder, pw, _V16F, j), align=4)
     if cast == "hf":
         w = widen_bf16(builder, round16_bf16(builder, w))
     if cast != "deepseek":
         xhat = widen_bf16(builder, round16_bf16(builder, xhat))
     y = builder.fmul(w, xhat)
-    _store16(builder, round16_bf16(builder, y), _vec_at(builder, py, _V16H, j), stream)
+    _store16(builder, round16_bf16(builder, y), vector_at(builder, py, _V16H, j), stream)
 
 
 def _bf16_loops(builder, n, choices, body):
@@ -422,10 +427,7 @@ def scale_sum_bf16_rows(typingctx, x_addr, r_addr, o_addr, y_addr, w_addr, rstd,
         scale = _splat_arg(builder, rstd_arg)
 
         def body(j, fused, cast, stream):
-            s = widen_bf16(builder, builder.load(_vec_at(builder, px, _V16H, j), align=2))
-            if fused:
-                s = builder.fadd(s, widen_bf16(builder, builder.load(_vec_at(builder, pr, _V16H, j), align=2)))
-                _store16(builder, round16_bf16(builder, s), _vec_at(builder, po, _V16H, j), stream)
+            s = emit_add_bf16(builder, px, pr, po, None, j, stream=stream) if fused else load_bf16(builder, px, j)
             _emit_store_y(builder, s, scale, pw, py, j, cast, stream)
 
         zero = ir.Constant(ra.type, 0)

@@ -63,7 +63,7 @@ from dsnorm.cpu.stages import (
 
 # This module's kernels compile those of the modules above into themselves: the digest of their
 # sources (see dsnorm.cpu.runtime) makes a change to any of them a change to this file.
-DEPENDENCIES_SHA256 = "2ce0f17499c25cba26422684b77796df790a2e257295b09fa1a81e069f6dbcd5"
+DEPENDENCIES_SHA256 = "f2c9d9b618d33d61a97e2cb134ba9be94fa8988bfa78a9d75106506511ebe3fd"
 
 # Software prefetch of the next row, interleaved with the store pass (see forward_rows): every
 # _PREFETCH_BYTES of output stored, the matching 64-byte lines of the next row's inputs are
