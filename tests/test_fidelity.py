@@ -293,9 +293,14 @@ def _bits(t):
     return t.view(torch.int16).int() & 0xFFFF
 
 
+# The output stage's three forms: DeepSeek's order, Hugging Face's with an fp32 gain (rounded to bf16
+# in the stage), and Hugging Face's with a bf16 gain (vLLM's: exact in bf16, not rounded again).
+_CASTS_AND_GAINS = [("deepseek", torch.float32), ("hf", torch.float32), ("hf", torch.bfloat16)]
+
+
 @pytest.mark.parametrize("width", [16, 61, 7168, 7171])
-@pytest.mark.parametrize("cast", ["deepseek", "hf"])
-def test_bf16_rounding_of_subnormals_and_nans_in_every_lane(width, cast):
+@pytest.mark.parametrize("cast, gain", _CASTS_AND_GAINS)
+def test_bf16_rounding_of_subnormals_and_nans_in_every_lane(width, cast, gain):
     # Where the CPU has AVX512-BF16, bf16 outputs are rounded 16 values at a time by an instruction
     # that reads subnormal inputs as zero and keeps a NaN's sign and payload; such lanes must still
     # get the scalar rule: subnormals rounded to nearest even, every NaN 0x7FC0. Each row puts the
@@ -312,24 +317,24 @@ def test_bf16_rounding_of_subnormals_and_nans_in_every_lane(width, cast):
     x[0, 0], r[0, 0] = 1e19, 0
     x[1, width // 2] = float("nan")
     r[2, -1] = -float("nan")
-    w = _weight(width)
+    w = _weight(width).to(gain).float()
     res_ref = (x.float() + r.float()).bfloat16()
-    for y, res in (dsnorm.fused_add_rms_norm(x, r, w, cast=cast),
-                   dsnorm.fused_add_rms_norm_(x.clone(), r.clone(), w, cast=cast)):
+    for y, res in (dsnorm.fused_add_rms_norm(x, r, w.to(gain), cast=cast),
+                   dsnorm.fused_add_rms_norm_(x.clone(), r.clone(), w.to(gain), cast=cast)):
         assert torch.equal(_bits(res)[~res_ref.isnan()], _bits(res_ref)[~res_ref.isnan()])
         assert (_bits(res)[res_ref.isnan()] == 0x7FC0).all()
         y_ref = fused_add_rms_norm_ref(x, r, w, cast=cast)[0]
         assert bits_equal(y, y_ref)
         assert (_bits(y)[y_ref.isnan()] == 0x7FC0).all() and y_ref[1:3].isnan().all()
         assert ((y_ref[0, 1:] != 0) & (y_ref[0, 1:].float().abs() < 2 ** -126)).sum() > 0
-    y = dsnorm.rms_norm(x, w, cast=cast)
+    y = dsnorm.rms_norm(x, w.to(gain), cast=cast)
     y_ref = rms_norm_ref(x, w, cast=cast)
     assert bits_equal(y, y_ref) and (_bits(y)[y_ref.isnan()] == 0x7FC0).all()
 
 
 @pytest.mark.parametrize("width", [7168, 7171])
-@pytest.mark.parametrize("cast", ["deepseek", "hf"])
-def test_rows_beyond_the_caches_bitwise(cast, width, threads):
+@pytest.mark.parametrize("cast, gain", _CASTS_AND_GAINS)
+def test_rows_beyond_the_caches_bitwise(cast, gain, width, threads):
     # On CPUs with AVX512-BF16, bf16 rows whose thread shares outgrow L2 are summed from the inputs
     # and read again for the outputs instead of through a scratch row, and fresh outputs past 8 MiB
     # a thread, their rows 32-byte aligned (7168 wide), are written with non-temporal stores (in
@@ -337,19 +342,20 @@ def test_rows_beyond_the_caches_bitwise(cast, width, threads):
     # scratch row and the scalar tail of the stores.
     # Two threads: the sizes above are per thread (2400 rows: 17 MB of x each).
     torch.set_num_threads(2)
-    x, r, w = _data((2400, width), torch.bfloat16, 31), _data((2400, width), torch.bfloat16, 32), _weight(width)
+    x, r = _data((2400, width), torch.bfloat16, 31), _data((2400, width), torch.bfloat16, 32)
+    w = _weight(width).to(gain).float()
     tiny = torch.tensor([3, 5, 0x7F, 0x8001], dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
     for i in range(64):  # subnormal sums at every lane of a vector, in the first rows of both threads
         for row in (i, 1200 + i):
             x[row, 7 * i % width], r[row, 7 * i % width] = tiny[i % 4], tiny[(i + 1) % 4]
     x[5, 100], r[7, width - 1], x[2399, 0] = float("nan"), -float("nan"), 1e19
     y_ref, res_ref = fused_add_rms_norm_ref(x, r, w, cast=cast)
-    for y, res in (dsnorm.fused_add_rms_norm(x, r, w, cast=cast),
-                   dsnorm.fused_add_rms_norm_(x.clone(), r.clone(), w, cast=cast)):
+    for y, res in (dsnorm.fused_add_rms_norm(x, r, w.to(gain), cast=cast),
+                   dsnorm.fused_add_rms_norm_(x.clone(), r.clone(), w.to(gain), cast=cast)):
         assert torch.equal(_bits(res)[~res_ref.isnan()], _bits(res_ref)[~res_ref.isnan()])
         assert bits_equal(y, y_ref)
         assert (_bits(res)[res_ref.isnan()] == 0x7FC0).all() and (_bits(y)[y_ref.isnan()] == 0x7FC0).all()
-    y, y_ref = dsnorm.rms_norm(x, w, cast=cast), rms_norm_ref(x, w, cast=cast)
+    y, y_ref = dsnorm.rms_norm(x, w.to(gain), cast=cast), rms_norm_ref(x, w, cast=cast)
     assert bits_equal(y, y_ref) and (_bits(y)[y_ref.isnan()] == 0x7FC0).all()
 
 

@@ -227,22 +227,46 @@ def widen_bf16(builder, bits):
     return builder.bitcast(builder.shl(builder.zext(bits, ints), _splat(ints, 16)), floats)
 
 
-def round16_bf16(builder, value):
-    """IR: <16 x float> -> <16 x i16>, f32_to_bf16 of each lane."""
-    u = builder.bitcast(value, _V16I)
+def _round16_cvt(builder, value, masks):
+    """IR: VCVTNEPS2BF16 of a <16 x float>; appends to ``masks`` the i16 of its lanes where that is
+    not torch's rule (0xA1: quiet NaN, signalling NaN, denormal)."""
     # Declared with its LLVM 15 signature (<16 x i16>; llvmlite has no bfloat type), which later
     # LLVMs upgrade to their <16 x bfloat> one when they read the IR.
     cvt = _declare(builder.module, "llvm.x86.avx512bf16.cvtneps2bf16.512", _V16H, [_V16F])
     fpclass = _declare(builder.module, "llvm.x86.avx512.fpclass.ps.512", ir.VectorType(_I1, 16), [_V16F, _I32])
-    bits = cgutils.alloca_once_value(builder, builder.call(cvt, [value]))
-    # 0xA1: quiet NaN, signalling NaN, denormal; the lanes where the instruction is not torch's rule.
-    special = builder.bitcast(builder.call(fpclass, [value, ir.Constant(_I32, 0xA1)]), _I16)
+    masks.append(builder.bitcast(builder.call(fpclass, [value, ir.Constant(_I32, 0xA1)]), _I16))
+    return builder.call(cvt, [value])
+
+
+def _round16_trick(builder, value):
+    """IR: f32_to_bf16's bit trick on each lane of a <16 x float> (NaN: 0x7FC0)."""
+    u = builder.bitcast(value, _V16I)
+    odd = builder.and_(builder.lshr(u, _splat(_V16I, 16)), _splat(_V16I, 1))
+    rounded = builder.lshr(builder.add(builder.add(u, _splat(_V16I, 0x7FFF)), odd), _splat(_V16I, 16))
+    nan = builder.fcmp_unordered("uno", value, value)
+    return builder.select(nan, _splat(_V16H, 0x7FC0), builder.trunc(rounded, _V16H))
+
+
+def rounded_bf16(builder, compute):
+    """IR: ``compute(rnd)``, a list of values computed without side effects from vectors that
+    ``rnd`` (<16 x float> -> <16 x i16>) rounds to bf16, with f32_to_bf16's bits for every lane:
+    computed with the instruction, and where any lane any ``rnd`` saw is special, computed again in a
+    branch with the bit trick. One test and branch for all of a vector's roundings."""
+    masks = []
+    fast = compute(lambda value: _round16_cvt(builder, value, masks))
+    slots = [cgutils.alloca_once_value(builder, value) for value in fast]
+    special = masks[0]
+    for mask in masks[1:]:
+        special = builder.or_(special, mask)
     with builder.if_then(builder.icmp_unsigned("!=", special, ir.Constant(_I16, 0)), likely=False):
-        odd = builder.and_(builder.lshr(u, _splat(_V16I, 16)), _splat(_V16I, 1))
-        rounded = builder.lshr(builder.add(builder.add(u, _splat(_V16I, 0x7FFF)), odd), _splat(_V16I, 16))
-        nan = builder.fcmp_unordered("uno", value, value)
-        builder.store(builder.select(nan, _splat(_V16H, 0x7FC0), builder.trunc(rounded, _V16H)), bits)
-    return builder.load(bits)
+        for slot, value in zip(slots, compute(lambda value: _round16_trick(builder, value))):
+            builder.store(value, slot)
+    return [builder.load(slot) for slot in slots]
+
+
+def round16_bf16(builder, value):
+    """IR: <16 x float> -> <16 x i16>, f32_to_bf16 of each lane."""
+    return rounded_bf16(builder, lambda rnd: [rnd(value)])[0]
 
 
 def vector_at(builder, base, vec, index):
@@ -292,17 +316,15 @@ def add_bf16_rows(typingctx, x_addr, r_addr, o_addr, buf, n, round_first):
     return sig, codegen
 
 
-def emit_add_bf16(builder, px, pr, po, pbuf, j, round_first=None, stream=False):
+def emit_add_bf16(builder, px, pr, po, pbuf, j, round_first=None):
     """IR of the fused bf16 stage for the 16 elements from ``j`` of the row pointers (i16 for x,
-    r, o; float for the scratch row, or None for none): ``s = x + r`` widened, ``o =
-    f32_to_bf16(s)`` (``stream``: see :func:`_store16`), ``buf = s`` (with ``round_first``, an i1,
-    the rounded sum widened). Returns the value kept (stored in buf)."""
+    r, o; float for the scratch row): ``s = x + r`` widened, ``o = f32_to_bf16(s)``, ``buf = s``
+    (with ``round_first``, an i1, the rounded sum widened). Returns the value kept (stored in buf)."""
     s = builder.fadd(load_bf16(builder, px, j), load_bf16(builder, pr, j))
     bits = round16_bf16(builder, s)
-    _store16(builder, bits, vector_at(builder, po, _V16H, j), stream)
+    _store16(builder, bits, vector_at(builder, po, _V16H, j), False)
     kept = s if round_first is None else builder.select(round_first, widen_bf16(builder, bits), s)
-    if pbuf is not None:
-        builder.store(kept, vector_at(builder, pbuf, _V16F, j), align=4)
+    builder.store(kept, vector_at(builder, pbuf, _V16F, j), align=4)
     return kept
 
 
@@ -344,14 +366,19 @@ def _splat_arg(builder, value):
 def _emit_store_y(builder, s, scale, pw, py, j, cast, stream=False):
     """y[j:j+16] = f32_to_bf16(w * (s * scale)), or for the Hugging Face forms of round(w) *
     round(s * scale) (round: to bf16 and back; ``cast`` from :func:`_cast_choice`)."""
-    xhat = builder.fmul(s, scale)
     w = builder.load(vector_at(builder, pw, _V16F, j), align=4)
+    y = rounded_bf16(builder, lambda rnd: [_y_bits(builder, rnd, s, scale, w, cast)])[0]
+    _store16(builder, y, vector_at(builder, py, _V16H, j), stream)
+
+
+def _y_bits(builder, rnd, s, scale, w, cast):
+    """y's bits from s (see :func:`_emit_store_y`), each rounding by ``rnd`` (see :func:`rounded_bf16`)."""
+    xhat = builder.fmul(s, scale)
     if cast == "hf":
-        w = widen_bf16(builder, round16_bf16(builder, w))
+        w = widen_bf16(builder, rnd(w))
     if cast != "deepseek":
-        xhat = widen_bf16(builder, round16_bf16(builder, xhat))
-    y = builder.fmul(w, xhat)
-    _store16(builder, round16_bf16(builder, y), vector_at(builder, py, _V16H, j), stream)
+        xhat = widen_bf16(builder, rnd(xhat))
+    return rnd(builder.fmul(w, xhat))
 
 
 def _bf16_loops(builder, n, choices, body):
@@ -427,8 +454,16 @@ def scale_sum_bf16_rows(typingctx, x_addr, r_addr, o_addr, y_addr, w_addr, rstd,
         scale = _splat_arg(builder, rstd_arg)
 
         def body(j, fused, cast, stream):
-            s = emit_add_bf16(builder, px, pr, po, None, j, stream=stream) if fused else load_bf16(builder, px, j)
-            _emit_store_y(builder, s, scale, pw, py, j, cast, stream)
+            if not fused:
+                _emit_store_y(builder, load_bf16(builder, px, j), scale, pw, py, j, cast, stream)
+                return
+            # The sum's rounding and y's in one group (one test and branch): every load before
+            # either store, as o may be r and y may be x.
+            s = builder.fadd(load_bf16(builder, px, j), load_bf16(builder, pr, j))
+            w = builder.load(vector_at(builder, pw, _V16F, j), align=4)
+            o, y = rounded_bf16(builder, lambda rnd: [rnd(s), _y_bits(builder, rnd, s, scale, w, cast)])
+            _store16(builder, o, vector_at(builder, po, _V16H, j), stream)
+            _store16(builder, y, vector_at(builder, py, _V16H, j), stream)
 
         zero = ir.Constant(ra.type, 0)
         fused = builder.icmp_unsigned("!=", ra, zero)

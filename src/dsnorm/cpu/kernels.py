@@ -42,6 +42,7 @@ from dsnorm.cpu.cascade import (
 from dsnorm.cpu.intrinsics import (
     BF16,
     BF16_CVT,
+    F32,
     by_address,
     code_size,
     prefetch_line,
@@ -63,7 +64,7 @@ from dsnorm.cpu.stages import (
 
 # This module's kernels compile those of the modules above into themselves: the digest of their
 # sources (see dsnorm.cpu.runtime) makes a change to any of them a change to this file.
-DEPENDENCIES_SHA256 = "f2c9d9b618d33d61a97e2cb134ba9be94fa8988bfa78a9d75106506511ebe3fd"
+DEPENDENCIES_SHA256 = "54cdf84752716c99cbbe8758ee1869633d7a51c812b6e9c597cf802a25362978"
 
 # Software prefetch of the next row, interleaved with the store pass (see forward_rows): every
 # _PREFETCH_BYTES of output stored, the matching 64-byte lines of the next row's inputs are
@@ -285,19 +286,27 @@ def widen_gain(n, code, src_addr, dst_addr):
 
 
 @kernel()
-def decode32(rows, n, code, x_addr, x_stride, res_addr, w_addr, y_addr, rout_addr, eps, cast_hf, round_first):
+def decode32(rows, n, code, x_addr, x_stride, res_addr, w_addr, w_code, y_addr, rout_addr, eps, cast_hf,
+             round_first):
     # Rows of one dtype, all contiguous but x's: the serial kernel with a third of the arguments
     # (unboxing each one is a noticeable part of a decode norm). The scratch row of a narrow call
     # is on the stack: a heap array costs more (the allocation, its reference counts); wider rows
-    # keep the heap.
+    # keep the heap. A bf16/fp16 gain (w_code; vLLM keeps its gains in the model's dtype) is widened,
+    # exactly, into the scratch's tail first: what weight.to(float32) gives, without a call of its own.
     width = n + ACC_SLOTS
-    if width <= _STACK_SCRATCH:
-        scratch = numba.carray(stack_f32(width), width)
+    total = width if w_code == F32 else width + n
+    if total <= _STACK_SCRATCH:
+        scratch = numba.carray(stack_f32(total), total)
     else:
-        scratch = np.empty(width, dtype=np.float32)
+        scratch = np.empty(total, dtype=np.float32)
+    w_row = w_addr
+    if w_code != F32:
+        gain = scratch[width:]
+        load_row(w_addr, 0, w_code, gain, n, False)
+        w_row = np.int64(gain.ctypes.data)
     forward_rows(
-        I0, rows, n, scratch,
-        x_addr, x_stride, code, res_addr, n, code, w_addr, y_addr, n, rout_addr, n, code, I0,
+        I0, rows, n, scratch[:width],
+        x_addr, x_stride, code, res_addr, n, code, w_row, y_addr, n, rout_addr, n, code, I0,
         eps, cast_hf, round_first,
     )
 

@@ -45,7 +45,7 @@ def _compile_decode():
     global _decode_entry
     x = np.zeros(1, dtype=np.float32)
     w = np.ones(1, dtype=np.float32)
-    run(decode32, None, 1, 1, F32, x.ctypes.data, 1, 0, w.ctypes.data, x.ctypes.data, 0, 1e-6, False, False)
+    run(decode32, None, 1, 1, F32, x.ctypes.data, 1, 0, w.ctypes.data, F32, x.ctypes.data, 0, 1e-6, False, False)
     _decode_entry = next(iter(decode32.overloads.values())).entry_point
     return _decode_entry
 
@@ -59,26 +59,28 @@ def _compile_widen():
 
 
 # A narrow gain (vLLM keeps its gains in the model's dtype) is widened, exactly, into a row of this
-# thread's: what the functions' general path does with weight.to(float32), without its allocation
-# and dispatch, for calls that go straight to the decode kernel's entry point (larger calls widen a
-# copy of their own). The row is taken out of the thread's slot for the call and put back after
-# the kernel: Python can run between the two (a signal handler, the GC's finalizers), and another
-# call it makes on this thread then widens into a row of its own instead of overwriting this one.
+# thread's for a threaded call (the decode kernel widens its own into its scratch): what the
+# functions' general path does with weight.to(float32), without its allocation and dispatch. The
+# row is taken out of the thread's slot for the call and put back after the kernel: Python can run
+# between the two (a signal handler, the GC's finalizers), and another call it makes on this thread
+# then widens into a row of its own instead of overwriting this one.
 _gain_rows = threading.local()
 
 
-def _launch_widened(launch, rows, n, code, x_addr, x_stride, res_addr, w_addr, w_code, y_addr, rout_addr, eps,
-                    cast_hf, round_first):
-    """``launch`` (the decode entry's arguments) with the gain at ``w_addr`` (bf16/fp16 ``w_code``)
-    widened into this thread's row, held out of the thread's slot until the kernel returns."""
+def _widened(n, w_addr, w_code):
+    """``(address, row)``: the gain at ``w_addr`` (bf16/fp16 ``w_code``) widened into this thread's
+    row, which the caller puts back with :func:`_put_back` once the kernel has returned."""
     row = getattr(_gain_rows, "row", None)
-    if row is None or row[1] < n:
-        t = torch.empty(max(n, 8192), dtype=_F32)
-        row = (t.data_ptr(), t.numel(), t)
+    if row is None or row.numel() < n:
+        row = torch.empty(max(n, 8192), dtype=_F32)
     else:
         _gain_rows.row = None
-    (_widen_entry or _compile_widen())(n, w_code, w_addr, row[0])
-    launch(rows, n, code, x_addr, x_stride, res_addr, row[0], y_addr, rout_addr, eps, cast_hf, round_first)
+    address = row.data_ptr()
+    (_widen_entry or _compile_widen())(n, w_code, w_addr, address)
+    return address, row
+
+
+def _put_back(row):
     _gain_rows.row = row
 
 
@@ -124,7 +126,7 @@ def lane(form, x, residual, weight, eps, cast, residual_rounding, residual_dtype
     code = _DECODE_CODES.get(dtype)
     if code is None or type(eps) is not float or not _EPS_MIN <= eps <= _EPS_MAX:
         return None
-    w_code = None
+    w_code = F32
     if weight.dtype is not _F32:
         w_code = _NARROW_GAINS.get(weight.dtype) if narrow_weight else None
         if w_code is None:
@@ -150,9 +152,6 @@ def lane(form, x, residual, weight, eps, cast, residual_rounding, residual_dtype
     except RuntimeError:
         return None
     small = numel < SERIAL_NUMEL
-    if w_code is not None and not small:  # widened into a copy of the call's own
-        weight = weight.float()
-        w_addr, w_code = weight.data_ptr(), None
     nbytes = numel * (4 if code == F32 else 2)
     # Outputs below the heap primer's size need none of empty_output's care.
     plain_alloc = nbytes < PRIME_MIN_BYTES
@@ -163,11 +162,7 @@ def lane(form, x, residual, weight, eps, cast, residual_rounding, residual_dtype
             y = empty_output(x, dtype)
         launch = _decode_entry or _compile_decode() if small else _lane_parallel
         stride = n if contiguous else row_stride(x)
-        if w_code is None:
-            launch(numel // n, n, code, x_addr, stride, 0, w_addr, y.data_ptr(), 0, eps, cast_hf, False)
-        else:
-            _launch_widened(launch, numel // n, n, code, x_addr, stride, 0, w_addr, w_code, y.data_ptr(), 0, eps,
-                            cast_hf, False)
+        launch(numel // n, n, code, x_addr, stride, 0, w_addr, w_code, y.data_ptr(), 0, eps, cast_hf, False)
         return y
     # The residual: x's shape, contiguous, on the CPU; x's dtype, or in the out-of-place form any
     # of the widened ones (an fp32 stream beside a bf16 x). Every refusal takes the general path,
@@ -207,42 +202,41 @@ def lane(form, x, residual, weight, eps, cast, residual_rounding, residual_dtype
         if not (contiguous and r_dtype is dtype and out_dtype is dtype):
             # Strided rows of x, or dtypes that differ (an fp32 residual stream): the kernels that
             # take a stride and a dtype per tensor, still well short of the general path at decode.
-            forward(x, residual, weight if w_code is None else weight.float(), eps, cast_hf, round_first, y,
+            forward(x, residual, weight if w_code == F32 else weight.float(), eps, cast_hf, round_first, y,
                     residual_out, None)
-        elif w_code is None:
-            launch(numel // n, n, code, x_addr, n, r_addr, w_addr, y.data_ptr(), residual_out.data_ptr(), eps,
-                   cast_hf, round_first)
         else:
-            _launch_widened(launch, numel // n, n, code, x_addr, n, r_addr, w_addr, w_code, y.data_ptr(),
-                            residual_out.data_ptr(), eps, cast_hf, round_first)
+            launch(numel // n, n, code, x_addr, n, r_addr, w_addr, w_code, y.data_ptr(), residual_out.data_ptr(),
+                   eps, cast_hf, round_first)
         return y, residual_out
     # An fp32 weight is read while x and residual are written: apart from both (a narrow one is read
     # only widened, into a row or copy of the call's own, as the general path widens it).
     w_end = w_addr + 4 * n
     if not ((x_addr + nbytes <= r_addr or r_addr + nbytes <= x_addr)
-            and (w_code is not None or ((w_end <= x_addr or x_addr + nbytes <= w_addr)
+            and (w_code != F32 or ((w_end <= x_addr or x_addr + nbytes <= w_addr)
                                         and (w_end <= r_addr or r_addr + nbytes <= w_addr)))):
         return None
     if not _inference_mode_enabled() and (x.is_inference() or residual.is_inference()):
         return None  # torch writes an inference tensor only in inference mode: the general path says so
-    if w_code is None:
-        launch(numel // n, n, code, x_addr, n, r_addr, w_addr, x_addr, r_addr, eps, cast_hf, round_first)
-    else:
-        _launch_widened(launch, numel // n, n, code, x_addr, n, r_addr, w_addr, w_code, x_addr, r_addr, eps, cast_hf,
-                        round_first)
+    launch(numel // n, n, code, x_addr, n, r_addr, w_addr, w_code, x_addr, r_addr, eps, cast_hf, round_first)
     return x, residual
 
 
-def _lane_parallel(rows, n, code, x_addr, x_stride, res_addr, w_addr, y_addr, rout_addr, eps, cast_hf, round_first):
+def _lane_parallel(rows, n, code, x_addr, x_stride, res_addr, w_addr, w_code, y_addr, rout_addr, eps, cast_hf,
+                   round_first):
     """The decode kernel's arguments, run on the thread pool (fp32 compute, contiguous outputs)."""
     nthreads = min(threads_for(rows * n), rows)
     if nthreads == 1:
         (_decode_entry or _compile_decode())(
-            rows, n, code, x_addr, x_stride, res_addr, w_addr, y_addr, rout_addr, eps, cast_hf, round_first
+            rows, n, code, x_addr, x_stride, res_addr, w_addr, w_code, y_addr, rout_addr, eps, cast_hf, round_first
         )
         return
+    row = None
+    if w_code != F32:
+        w_addr, row = _widened(n, w_addr, w_code)
     run_parallel(False, nthreads, rows, n, x_addr, x_stride, code, res_addr, n, code, w_addr, y_addr, n,
                  rout_addr, n, code, 0, eps, cast_hf, round_first)
+    if row is not None:
+        _put_back(row)
 
 
 # The lane takes decode batches (64 rows of 1536 and more); prefill-sized calls take the general
@@ -309,7 +303,7 @@ def mla_lane(q_latent, kv_a, q_weight, kv_weight, eps, cast):
     # Each norm as the core lane runs it: the decode kernel on this thread, the pool past the serial size.
     entry = _decode_entry or _compile_decode()
     launch = entry if numel < SERIAL_NUMEL else _lane_parallel
-    launch(rows, nq, code, addrs[0], nq, 0, addrs[2], q_out.data_ptr(), 0, eps, False, False)
+    launch(rows, nq, code, addrs[0], nq, 0, addrs[2], F32, q_out.data_ptr(), 0, eps, False, False)
     launch = entry if rows * nkv < SERIAL_NUMEL else _lane_parallel
-    launch(rows, nkv, code, addrs[1], kv_width, 0, addrs[3], kv_out.data_ptr(), 0, eps, False, False)
+    launch(rows, nkv, code, addrs[1], kv_width, 0, addrs[3], F32, kv_out.data_ptr(), 0, eps, False, False)
     return q_out, kv_out
