@@ -298,7 +298,7 @@ def _bits(t):
 _CASTS_AND_GAINS = [("deepseek", torch.float32), ("hf", torch.float32), ("hf", torch.bfloat16)]
 
 
-@pytest.mark.parametrize("width", [16, 61, 7168, 7171])
+@pytest.mark.parametrize("width", [16, 61, 7168, 7171, 7184])
 @pytest.mark.parametrize("cast, gain", _CASTS_AND_GAINS)
 def test_bf16_rounding_of_subnormals_and_nans_in_every_lane(width, cast, gain):
     # Where the CPU has AVX512-BF16, bf16 outputs are rounded 16 values at a time by an instruction
@@ -337,7 +337,7 @@ def test_bf16_rounding_of_subnormals_and_nans_in_every_lane(width, cast, gain):
 def test_rows_beyond_the_caches_bitwise(cast, gain, width, threads):
     # On CPUs with AVX512-BF16, bf16 rows whose thread shares outgrow L2 are summed from the inputs
     # and read again for the outputs instead of through a scratch row, and fresh outputs past 8 MiB
-    # a thread, their rows 32-byte aligned (7168 wide), are written with non-temporal stores (in
+    # a thread, their rows 64-byte aligned (7168 wide), are written with non-temporal stores (in
     # place keeps ordinary ones). 7171 wide: the whole level steps, then 3 elements through the
     # scratch row and the scalar tail of the stores.
     # Two threads: the sizes above are per thread (2400 rows: 17 MB of x each).

@@ -36,7 +36,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from dsnorm.cpu.intrinsics import emit_add_bf16, load_bf16, vector_at
+from dsnorm.cpu.intrinsics import emit_add_bf16, load_bf16_pair, vector_at
 
 # Vector lanes torch's CPU sum uses for fp32 (doubles: half as many).
 SUM_LANES = 8
@@ -70,8 +70,9 @@ def _emit_chains(builder, src, count, vec, align):
     return _emit_chains_of(builder, lambda index, wide: _load_vec(builder, src, index, wide, align), count, vec)
 
 
-def _emit_chains_of(builder, load, count, vec):
-    """:func:`_emit_chains` with the vectors from ``load(element index, vector type)``.
+def _emit_chains_of(builder, load, count, vec, split=False):
+    """:func:`_emit_chains` with the vectors from ``load(element index, vector type)``; with
+    ``split``, from ``load(element index)``, a group's 32 elements as (evens, odds).
 
     Each lane is its own chain, so accumulators 0 and 1 (and 2 and 3) run as one vector of twice
     the lanes, holding the same elements in the same lanes: the same bits, half the instructions
@@ -84,14 +85,21 @@ def _emit_chains_of(builder, load, count, vec):
     pairs = [cgutils.alloca_once_value(builder, ir.Constant(wide, [0.0] * 2 * lanes)) for _ in range(2)]
     with cgutils.for_range(builder, count) as loop:
         base = builder.mul(loop.index, ir.Constant(intp, 4 * lanes))
-        for k in range(2):
-            v = load(builder.add(base, ir.Constant(intp, 2 * lanes * k)), wide)
-            builder.store(builder.fadd(builder.load(pairs[k]), builder.fmul(v, v)), pairs[k])
+        if split:
+            halves = load(base)
+        else:
+            halves = [load(builder.add(base, ir.Constant(intp, 2 * lanes * k)), wide) for k in range(2)]
+        for pair, v in zip(pairs, halves):
+            builder.store(builder.fadd(builder.load(pair), builder.fmul(v, v)), pair)
+    # The 32 chains in lane order (with ``split``, the even lanes' and the odd lanes' interleaved),
+    # as four accumulators.
+    first, second = builder.load(pairs[0]), builder.load(pairs[1])
+    order = [t for i in range(2 * lanes) for t in (i, 2 * lanes + i)] if split else list(range(4 * lanes))
+    chains = builder.shuffle_vector(first, second, ir.Constant(ir.VectorType(ir.IntType(32), 4 * lanes), order))
     accs = []
     for k in range(4):
-        pair = builder.load(pairs[k // 2])
-        half = ir.Constant(ir.VectorType(ir.IntType(32), lanes), [lanes * (k % 2) + t for t in range(lanes)])
-        accs.append(cgutils.alloca_once_value(builder, builder.shuffle_vector(pair, pair, half)))
+        part = ir.Constant(ir.VectorType(ir.IntType(32), lanes), [lanes * k + t for t in range(lanes)])
+        accs.append(cgutils.alloca_once_value(builder, builder.shuffle_vector(chains, chains, part)))
     return accs
 
 
@@ -149,12 +157,16 @@ def _chain32_bf16(typingctx, x_addr, r_addr, offset, count, out):
         px, pr = _rows_at(builder, offset_arg, xa, ra)
         dst = context.make_array(signature.args[4])(context, builder, out_arg).data
         with builder.if_else(builder.icmp_unsigned("==", ra, ir.Constant(ra.type, 0))) as (plain, fused):
+            # Each group's 32 elements as its even and odd halves (load_bf16_pair): the same chains.
             with plain:
-                accs = _emit_chains_of(builder, lambda i, wide: load_bf16(builder, px, i, wide.count), count_arg, vec)
+                accs = _emit_chains_of(builder, lambda i: load_bf16_pair(builder, px, i), count_arg, vec, True)
                 _store_accs(builder, accs, dst, vec, 4)
             with fused:
-                accs = _emit_chains_of(builder, lambda i, wide: builder.fadd(
-                    load_bf16(builder, px, i, wide.count), load_bf16(builder, pr, i, wide.count)), count_arg, vec)
+                def load(i):
+                    return [builder.fadd(a, b) for a, b in zip(load_bf16_pair(builder, px, i),
+                                                                load_bf16_pair(builder, pr, i))]
+
+                accs = _emit_chains_of(builder, load, count_arg, vec, True)
                 _store_accs(builder, accs, dst, vec, 4)
         return context.get_dummy_value()
 

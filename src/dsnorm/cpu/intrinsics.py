@@ -214,6 +214,8 @@ _I1, _I16, _I32 = ir.IntType(1), ir.IntType(16), ir.IntType(32)
 _V16F = ir.VectorType(ir.FloatType(), 16)
 _V16I = ir.VectorType(_I32, 16)
 _V16H = ir.VectorType(_I16, 16)
+_V32H = ir.VectorType(_I16, 32)
+_V32I = _V16I  # 32 bf16 words seen as 16 dwords: element 2i in the low half of dword i
 
 
 def _splat(vec, value):
@@ -228,18 +230,29 @@ def widen_bf16(builder, bits):
 
 
 def _round16_cvt(builder, value, masks):
-    """IR: VCVTNEPS2BF16 of a <16 x float>; appends to ``masks`` the i16 of its lanes where that is
-    not torch's rule (0xA1: quiet NaN, signalling NaN, denormal)."""
-    # Declared with its LLVM 15 signature (<16 x i16>; llvmlite has no bfloat type), which later
-    # LLVMs upgrade to their <16 x bfloat> one when they read the IR.
-    cvt = _declare(builder.module, "llvm.x86.avx512bf16.cvtneps2bf16.512", _V16H, [_V16F])
+    """IR: VCVTNEPS2BF16 of a <16 x float> (a pair of them: VCVTNE2PS2BF16, their <32 x i16> one
+    after the other); appends to ``masks`` the i16 of the lanes where that is not torch's rule (0xA1:
+    quiet NaN, signalling NaN, denormal)."""
     fpclass = _declare(builder.module, "llvm.x86.avx512.fpclass.ps.512", ir.VectorType(_I1, 16), [_V16F, _I32])
-    masks.append(builder.bitcast(builder.call(fpclass, [value, ir.Constant(_I32, 0xA1)]), _I16))
+    values = value if isinstance(value, tuple) else (value,)
+    for v in values:
+        masks.append(builder.bitcast(builder.call(fpclass, [v, ir.Constant(_I32, 0xA1)]), _I16))
+    # Declared with their LLVM 15 signatures (i16 vectors; llvmlite has no bfloat type), which later
+    # LLVMs upgrade to their bfloat ones when they read the IR.
+    if len(values) == 2:
+        # The instruction puts its second operand's values first.
+        cvt2 = _declare(builder.module, "llvm.x86.avx512bf16.cvtne2ps2bf16.512", _V32H, [_V16F, _V16F])
+        return builder.call(cvt2, [values[1], values[0]])
+    cvt = _declare(builder.module, "llvm.x86.avx512bf16.cvtneps2bf16.512", _V16H, [_V16F])
     return builder.call(cvt, [value])
 
 
 def _round16_trick(builder, value):
-    """IR: f32_to_bf16's bit trick on each lane of a <16 x float> (NaN: 0x7FC0)."""
+    """IR: f32_to_bf16's bit trick on each lane of a <16 x float> (NaN: 0x7FC0); of a pair, their
+    <32 x i16> one after the other."""
+    if isinstance(value, tuple):
+        first, second = (_round16_trick(builder, v) for v in value)
+        return builder.shuffle_vector(first, second, ir.Constant(ir.VectorType(_I32, 32), list(range(32))))
     u = builder.bitcast(value, _V16I)
     odd = builder.and_(builder.lshr(u, _splat(_V16I, 16)), _splat(_V16I, 1))
     rounded = builder.lshr(builder.add(builder.add(u, _splat(_V16I, 0x7FFF)), odd), _splat(_V16I, 16))
@@ -249,7 +262,8 @@ def _round16_trick(builder, value):
 
 def rounded_bf16(builder, compute):
     """IR: ``compute(rnd)``, a list of values computed without side effects from vectors that
-    ``rnd`` (<16 x float> -> <16 x i16>) rounds to bf16, with f32_to_bf16's bits for every lane:
+    ``rnd`` (<16 x float> -> <16 x i16>; a pair of them -> <32 x i16>) rounds to bf16, with
+    f32_to_bf16's bits for every lane:
     computed with the instruction, and where any lane any ``rnd`` saw is special, computed again in a
     branch with the bit trick. One test and branch for all of a vector's roundings."""
     masks = []
@@ -275,19 +289,46 @@ def vector_at(builder, base, vec, index):
     return builder.bitcast(builder.gep(base, [index]), vec.as_pointer())
 
 
-def load_bf16(builder, base, index, lanes=16):
-    """IR: ``lanes`` bf16 values from element ``index`` of the i16 pointer ``base``, widened to
-    float (element alignment only)."""
-    return widen_bf16(builder, builder.load(vector_at(builder, base, ir.VectorType(_I16, lanes), index), align=2))
+def load_bf16(builder, base, index):
+    """IR: 16 bf16 values from element ``index`` of the i16 pointer ``base``, widened to float
+    (element alignment only)."""
+    return widen_bf16(builder, builder.load(vector_at(builder, base, _V16H, index), align=2))
 
 
-def _bf16_row_loop(builder, n, body):
-    """Calls ``body(j)`` for j = 0, 16, ... below ``n`` rounded down to 16; returns that bound, the
-    first element left to the caller's scalar loop."""
-    end = builder.mul(builder.udiv(n, ir.Constant(n.type, 16)), ir.Constant(n.type, 16))
-    with cgutils.for_range_slice(builder, ir.Constant(n.type, 0), end, ir.Constant(n.type, 16)) as (j, _):
+def _bf16_row_loop(builder, n, body, width=16):
+    """Calls ``body(j)`` for j = 0, width, ... below ``n`` rounded down to ``width``; returns that
+    bound, the first element left to the caller's scalar loop."""
+    end = builder.mul(builder.udiv(n, ir.Constant(n.type, width)), ir.Constant(n.type, width))
+    with cgutils.for_range_slice(builder, ir.Constant(n.type, 0), end, ir.Constant(n.type, width)) as (j, _):
         body(j)
     return end
+
+
+_EVENS = [2 * i for i in range(16)]
+_ODDS = [2 * i + 1 for i in range(16)]
+_INTERLEAVE = [t for i in range(16) for t in (i, 16 + i)]
+
+
+def load_bf16_pair(builder, base, index):
+    """IR: the 32 bf16 values from element ``index`` of the i16 pointer ``base``, widened, as two
+    <16 x float>: the even elements and the odd ones (a shift and a mask of one load, where two
+    vectors of consecutive elements take a widening shuffle and a shift each)."""
+    words = builder.load(vector_at(builder, base, _V32I, index), align=2)
+    return (builder.bitcast(builder.shl(words, _splat(_V32I, 16)), _V16F),
+            builder.bitcast(builder.and_(words, _splat(_V32I, 0xFFFF0000)), _V16F))
+
+
+def _deinterleave(builder, pw, j):
+    """The fp32 row's 32 values from element ``j`` as (evens, odds)."""
+    lo = builder.load(vector_at(builder, pw, _V16F, j), align=4)
+    hi = builder.load(vector_at(builder, pw, _V16F, builder.add(j, ir.Constant(j.type, 16))), align=4)
+    return (builder.shuffle_vector(lo, hi, ir.Constant(_V16I, _EVENS)),
+            builder.shuffle_vector(lo, hi, ir.Constant(_V16I, _ODDS)))
+
+
+def _interleave(builder, halves):
+    """<32 x i16> in element order from the bits of the even elements followed by the odd ones'."""
+    return builder.shuffle_vector(halves, halves, ir.Constant(ir.VectorType(_I32, 32), _INTERLEAVE))
 
 
 def _fp32_row(row):
@@ -322,7 +363,7 @@ def emit_add_bf16(builder, px, pr, po, pbuf, j, round_first=None):
     (with ``round_first``, an i1, the rounded sum widened). Returns the value kept (stored in buf)."""
     s = builder.fadd(load_bf16(builder, px, j), load_bf16(builder, pr, j))
     bits = round16_bf16(builder, s)
-    _store16(builder, bits, vector_at(builder, po, _V16H, j), False)
+    _store_bits(builder, bits, vector_at(builder, po, _V16H, j))
     kept = s if round_first is None else builder.select(round_first, widen_bf16(builder, bits), s)
     builder.store(kept, vector_at(builder, pbuf, _V16F, j), align=4)
     return kept
@@ -368,38 +409,53 @@ def _emit_store_y(builder, s, scale, pw, py, j, cast, stream=False):
     round(s * scale) (round: to bf16 and back; ``cast`` from :func:`_cast_choice`)."""
     w = builder.load(vector_at(builder, pw, _V16F, j), align=4)
     y = rounded_bf16(builder, lambda rnd: [_y_bits(builder, rnd, s, scale, w, cast)])[0]
-    _store16(builder, y, vector_at(builder, py, _V16H, j), stream)
+    _store_bits(builder, y, vector_at(builder, py, _V16H, j), stream)
 
 
 def _y_bits(builder, rnd, s, scale, w, cast):
     """y's bits from s (see :func:`_emit_store_y`), each rounding by ``rnd`` (see :func:`rounded_bf16`)."""
+    return rnd(_y_value(builder, rnd, s, scale, w, cast))
+
+
+def _y_value(builder, rnd, s, scale, w, cast):
+    """y before its rounding: the fp32 product of :func:`_y_bits`."""
     xhat = builder.fmul(s, scale)
     if cast == "hf":
         w = widen_bf16(builder, rnd(w))
     if cast != "deepseek":
-        xhat = widen_bf16(builder, rnd(xhat))
-    return rnd(builder.fmul(w, xhat))
+        xhat = _widen_bits(builder, rnd(xhat))
+    return builder.fmul(w, xhat)
 
 
-def _bf16_loops(builder, n, choices, body):
+def _widen_bits(builder, bits):
+    """:func:`widen_bf16` of a <16 x i16> held in a register, as one shuffle: each value into the
+    high half of its lane, zeros into the low halves."""
+    zero = ir.Constant(_V16H, None)
+    order = [t for i in range(16) for t in (16, i)]
+    return builder.bitcast(builder.shuffle_vector(bits, zero, ir.Constant(ir.VectorType(_I32, 32), order)), _V16F)
+
+
+def _bf16_loops(builder, n, choices, body, width=16, values=()):
     """:func:`_bf16_row_loop` of ``body(j, *values)``, one loop for each combination of runtime
     choices (branches outside the loops, so each loop is straight-line code); returns the loops'
     common bound. A choice is an i1 (values True and False) or a list of ``(i1, value)`` tried in
-    order, the last one's i1 None (its default)."""
+    order, the last one's i1 None (its default). ``width``: the loop's step, or a function of the
+    values giving it."""
     if not choices:
-        return _bf16_row_loop(builder, n, body)
+        step = width(*values) if callable(width) else width
+        return _bf16_row_loop(builder, n, lambda j: body(j, *values), step)
     first, rest = choices[0], choices[1:]
     if not isinstance(first, list):
         first = [(first, True), (None, False)]
     (cond, value), others = first[0], first[1:]
     if cond is None:
-        return _bf16_loops(builder, n, rest, lambda j, *more: body(j, value, *more))
+        return _bf16_loops(builder, n, rest, body, width, values + (value,))
     ends = []
     with builder.if_else(cond) as (then, otherwise):
         with then:
-            ends.append((_bf16_loops(builder, n, rest, lambda j, *more: body(j, value, *more)), builder.block))
+            ends.append((_bf16_loops(builder, n, rest, body, width, values + (value,)), builder.block))
         with otherwise:
-            ends.append((_bf16_loops(builder, n, [others] + rest, body), builder.block))
+            ends.append((_bf16_loops(builder, n, [others] + rest, body, width, values), builder.block))
     end = builder.phi(n.type)
     for bound, block in ends:
         end.add_incoming(bound, block)
@@ -412,10 +468,12 @@ def _cast_choice(builder, cast_hf, gain_exact):
     return [(builder.and_(cast_hf, gain_exact), "hf_exact"), (cast_hf, "hf"), (None, "deepseek")]
 
 
-def _store16(builder, value, ptr, stream):
-    """Stores a <16 x i16>; ``stream``: a non-temporal store (no read for ownership of the line,
-    not kept in cache), for outputs larger than the caches, at a 32-byte aligned ``ptr``."""
-    store = builder.store(value, ptr, align=32 if stream else 2)
+def _store_bits(builder, value, ptr, stream=False):
+    """Stores a vector of bf16 bits; ``stream``: a non-temporal store (no read for ownership of the
+    line, not kept in cache), for outputs larger than the caches, at a ``ptr`` aligned to the
+    vector's size."""
+    size = value.type.count * 2
+    store = builder.store(value, ptr, align=size if stream else 2)
     if stream:
         store.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(_I32, 1)]))
 
@@ -435,10 +493,10 @@ def store_fence(typingctx):
 @intrinsic
 def scale_sum_bf16_rows(typingctx, x_addr, r_addr, o_addr, y_addr, w_addr, rstd, n, cast_hf, gain_exact, stream):
     """The vector part of the output stage that reads no scratch row: for j below ``n`` rounded down
-    to 16, ``s = x[j] + r[j]`` widened (``r_addr`` 0: ``s = x[j]``), ``o[j] = f32_to_bf16(s)`` (with
+    to 32 (to 16 without r), ``s = x[j] + r[j]`` widened (``r_addr`` 0: ``s = x[j]``), ``o[j] = f32_to_bf16(s)`` (with
     ``r``) and ``y[j]`` from ``s`` as in :func:`scale_bf16_rows`; x, r, o, y bf16 rows (o may be r,
     y may be x: each vector is read before it is written), w an fp32 one (``gain_exact`` as there).
-    ``stream``: o and y are written with non-temporal stores where both start on a 32-byte
+    ``stream``: o and y are written with non-temporal stores where both start on a 64-byte
     boundary (checked here; the caller fences). Returns where the scalar loop must start: 0 without
     AVX512-BF16 or for a float64 ``rstd`` (fp64 compute)."""
     if not isinstance(rstd, types.Float):
@@ -457,21 +515,26 @@ def scale_sum_bf16_rows(typingctx, x_addr, r_addr, o_addr, y_addr, w_addr, rstd,
             if not fused:
                 _emit_store_y(builder, load_bf16(builder, px, j), scale, pw, py, j, cast, stream)
                 return
-            # The sum's rounding and y's in one group (one test and branch): every load before
-            # either store, as o may be r and y may be x.
-            s = builder.fadd(load_bf16(builder, px, j), load_bf16(builder, pr, j))
-            w = builder.load(vector_at(builder, pw, _V16F, j), align=4)
-            o, y = rounded_bf16(builder, lambda rnd: [rnd(s), _y_bits(builder, rnd, s, scale, w, cast)])
-            _store16(builder, o, vector_at(builder, po, _V16H, j), stream)
-            _store16(builder, y, vector_at(builder, py, _V16H, j), stream)
+            # Fused: 32 elements as their even and odd halves (load_bf16_pair; the gain's shuffled
+            # to match), interleaved again as they are stored (fewer vector operations than two
+            # vectors of consecutive elements; not for one input, where the gain's shuffles cost
+            # more than the widening they save): every load before any store, as o may be r and y
+            # may be x; the sums' roundings and y's in one group.
+            sums = [builder.fadd(a, b) for a, b in zip(load_bf16_pair(builder, px, j), load_bf16_pair(builder, pr, j))]
+            gains = _deinterleave(builder, pw, j)
+            o, y = rounded_bf16(builder, lambda rnd: [rnd(tuple(sums)), rnd(tuple(
+                _y_value(builder, rnd, s, scale, w, cast) for s, w in zip(sums, gains)))])
+            _store_bits(builder, _interleave(builder, o), vector_at(builder, po, _V32H, j), stream)
+            _store_bits(builder, _interleave(builder, y), vector_at(builder, py, _V32H, j), stream)
 
         zero = ir.Constant(ra.type, 0)
         fused = builder.icmp_unsigned("!=", ra, zero)
-        # A vector's non-temporal store needs 32-byte alignment (unaligned, LLVM splits it into
-        # four 8-byte MOVNTSD); o is written only with r.
+        # A vector's non-temporal store needs its own alignment, 64 bytes (unaligned, LLVM splits
+        # it into 8-byte MOVNTSD); o is written only with r.
         outputs = builder.or_(ya, builder.select(fused, oa, zero))
-        aligned = builder.icmp_unsigned("==", builder.and_(outputs, ir.Constant(ra.type, 31)), zero)
+        aligned = builder.icmp_unsigned("==", builder.and_(outputs, ir.Constant(ra.type, 63)), zero)
         cast = _cast_choice(builder, cast_hf_arg, gain_exact_arg)
-        return _bf16_loops(builder, n_arg, [fused, cast, builder.and_(stream_arg, aligned)], body)
+        return _bf16_loops(builder, n_arg, [fused, cast, builder.and_(stream_arg, aligned)], body,
+                           lambda fused, *_: 32 if fused else 16)
 
     return sig, codegen

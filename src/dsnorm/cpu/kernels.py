@@ -64,7 +64,7 @@ from dsnorm.cpu.stages import (
 
 # This module's kernels compile those of the modules above into themselves: the digest of their
 # sources (see dsnorm.cpu.runtime) makes a change to any of them a change to this file.
-DEPENDENCIES_SHA256 = "54cdf84752716c99cbbe8758ee1869633d7a51c812b6e9c597cf802a25362978"
+DEPENDENCIES_SHA256 = "c9c0129f432245ef3323843ea4f0c2c394450a3aa50e760308a7457e8aea07f1"
 
 # Software prefetch of the next row, interleaved with the store pass (see forward_rows): every
 # _PREFETCH_BYTES of output stored, the matching 64-byte lines of the next row's inputs are
