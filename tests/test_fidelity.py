@@ -301,10 +301,11 @@ _CASTS_AND_GAINS = [("deepseek", torch.float32), ("hf", torch.float32), ("hf", t
 @pytest.mark.parametrize("width", [16, 61, 7168, 7171, 7184])
 @pytest.mark.parametrize("cast, gain", _CASTS_AND_GAINS)
 def test_bf16_rounding_of_subnormals_and_nans_in_every_lane(width, cast, gain):
-    # Where the CPU has AVX512-BF16, bf16 outputs are rounded 16 values at a time by an instruction
-    # that reads subnormal inputs as zero and keeps a NaN's sign and payload; such lanes must still
+    # Where the CPU has AVX512-BF16, bf16 outputs are rounded a vector at a time by instructions
+    # that read subnormal inputs as zero and keeps a NaN's sign and payload; such lanes must still
     # get the scalar rule: subnormals rounded to nearest even, every NaN 0x7FC0. Each row puts the
-    # special value at another lane (and in the scalar tail of the odd widths).
+    # special value at another lane (and in the scalar tail of the odd widths). Rows beyond the
+    # caches, which take other vector paths: test_rows_beyond_the_caches_bitwise.
     rows = min(width, 24)
     tiny = torch.tensor([3, 5, 0x7F, 0x8001], dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
     x = _data((rows, width), torch.bfloat16, width)
@@ -332,14 +333,16 @@ def test_bf16_rounding_of_subnormals_and_nans_in_every_lane(width, cast, gain):
     assert bits_equal(y, y_ref) and (_bits(y)[y_ref.isnan()] == 0x7FC0).all()
 
 
-@pytest.mark.parametrize("width", [7168, 7171])
+@pytest.mark.parametrize("width", [7168, 7171, 7184])
 @pytest.mark.parametrize("cast, gain", _CASTS_AND_GAINS)
 def test_rows_beyond_the_caches_bitwise(cast, gain, width, threads):
     # On CPUs with AVX512-BF16, bf16 rows whose thread shares outgrow L2 are summed from the inputs
     # and read again for the outputs instead of through a scratch row, and fresh outputs past 8 MiB
     # a thread, their rows 64-byte aligned (7168 wide), are written with non-temporal stores (in
-    # place keeps ordinary ones). 7171 wide: the whole level steps, then 3 elements through the
-    # scratch row and the scalar tail of the stores.
+    # place keeps ordinary ones). Fused rows are read there 32 elements at a time, as their even and
+    # odd halves. 7171 wide: the whole level steps, then 3 elements through the scratch row and the
+    # scalar tail of the stores; 7184 wide: a tail of 16 past the last 32 (rows 32-byte aligned: the
+    # plain rows' stores stream, the fused rows' do not).
     # Two threads: the sizes above are per thread (2400 rows: 17 MB of x each).
     torch.set_num_threads(2)
     x, r = _data((2400, width), torch.bfloat16, 31), _data((2400, width), torch.bfloat16, 32)

@@ -90,10 +90,11 @@ def test_lane_widens_a_narrow_gain(lane_only, dtype, wdtype, shape):
 @pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs POSIX interval timers")
 @pytest.mark.parametrize("n_nested", (7168, 9000))  # 9000: past the row's first size, a new row
 @pytest.mark.parametrize("rows", (1, 4))  # the decode kernel's own widening; a threaded call's row
-def test_a_call_from_a_signal_handler_keeps_the_narrow_gain_of_the_call_it_interrupts(rows, n_nested):
+def test_a_call_from_a_signal_handler_keeps_the_narrow_gain_of_the_call_it_interrupts(rows, n_nested, threads):
     # Python runs signal handlers (and, from 3.12, the GC's finalizers) between two bytecodes: one
     # that runs a norm on the same thread in the middle of a lane call must not leave that call
     # with its own widened gain (or a freed row).
+    torch.set_num_threads(2)  # 4 rows: a threaded call, which widens into the thread's row
     x, w = torch.ones(rows, 7168, dtype=torch.bfloat16), torch.ones(7168, dtype=torch.bfloat16)
     x2, w2 = torch.ones(rows, n_nested, dtype=torch.bfloat16), torch.full((n_nested,), 3.0, dtype=torch.bfloat16)
     want = rms_norm_ref(x, w.float())

@@ -72,11 +72,14 @@ def _emit_chains(builder, src, count, vec, align):
 
 def _emit_chains_of(builder, load, count, vec, split=False):
     """:func:`_emit_chains` with the vectors from ``load(element index, vector type)``; with
-    ``split``, from ``load(element index)``, a group's 32 elements as (evens, odds).
+    ``split``, from ``load(element index)``, a group's 32 elements as two 16-lane vectors of its even
+    and its odd elements.
 
     Each lane is its own chain, so accumulators 0 and 1 (and 2 and 3) run as one vector of twice
-    the lanes, holding the same elements in the same lanes: the same bits, half the instructions
-    where the target has vectors that wide (AVX-512; elsewhere LLVM splits them again)."""
+    the lanes (with ``split``, the even chains and the odd chains), each lane taking the same
+    elements in the same order as its scalar chain: the same bits, half the instructions where the
+    target has vectors that wide (AVX-512; elsewhere LLVM splits them again). The chains are put
+    back in lane order once, after the loop."""
     from numba.core import cgutils
 
     lanes = vec.count
@@ -87,6 +90,7 @@ def _emit_chains_of(builder, load, count, vec, split=False):
         base = builder.mul(loop.index, ir.Constant(intp, 4 * lanes))
         if split:
             halves = load(base)
+            assert all(h.type.count == 2 * lanes for h in halves)
         else:
             halves = [load(builder.add(base, ir.Constant(intp, 2 * lanes * k)), wide) for k in range(2)]
         for pair, v in zip(pairs, halves):

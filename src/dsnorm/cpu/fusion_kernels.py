@@ -35,7 +35,7 @@ from dsnorm.cpu.stages import load_row
 
 # This module's kernels compile those of the modules above into themselves: the digest of their
 # sources (see dsnorm.cpu.runtime) makes a change to any of them a change to this file.
-DEPENDENCIES_SHA256 = "9570df49c86dd70862f162ea15474234503938c08b9934d107b224a070ef8ca3"
+DEPENDENCIES_SHA256 = "c9f0d763df3d3c2b505ff41f439a9d8706ae9dfbef0233c35334ad454c08d0d3"
 
 _ptr_u8 = pointer_intrinsic(types.uint8, ir.IntType(8))
 _ptr_i64 = pointer_intrinsic(types.int64, ir.IntType(64))

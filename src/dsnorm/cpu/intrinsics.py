@@ -188,13 +188,14 @@ def by_address(*signatures):
 
 
 # ---------------------------------------------------------------------------------------------
-# bf16 rows 16 values at a time, with AVX512-BF16's conversion where the target has it.
+# bf16 rows a vector at a time, with AVX512-BF16's conversions where the target has them.
 #
 # The bit trick of f32_to_bf16 is seven vector operations per 16 values; AVX512-BF16's
-# VCVTNEPS2BF16 is one, with the same round-to-nearest-even on normal values and infinities. It
-# differs on the rest (it reads denormal inputs as zero, and keeps a NaN's sign and payload), so a
-# vector holding any of those takes the bit trick instead: the same bits as f32_to_bf16 for every
-# input. LLVM does not form the instruction from the scalar loop, so these loops are written as IR.
+# VCVTNEPS2BF16 is one (VCVTNE2PS2BF16 one for 32), with the same round-to-nearest-even on normal
+# values and infinities. It differs on the rest (it reads denormal inputs as zero, and keeps a
+# NaN's sign and payload), so a group of roundings with any of those in any lane is computed again
+# with the bit trick: the same bits as f32_to_bf16 for every input. LLVM does not form the
+# instructions from the scalar loops, so these loops are written as IR.
 
 
 def _target_features() -> str:
@@ -215,7 +216,6 @@ _V16F = ir.VectorType(ir.FloatType(), 16)
 _V16I = ir.VectorType(_I32, 16)
 _V16H = ir.VectorType(_I16, 16)
 _V32H = ir.VectorType(_I16, 32)
-_V32I = _V16I  # 32 bf16 words seen as 16 dwords: element 2i in the low half of dword i
 
 
 def _splat(vec, value):
@@ -223,13 +223,15 @@ def _splat(vec, value):
 
 
 def widen_bf16(builder, bits):
-    """IR: a vector of bf16 bits (``<k x i16>``) widened, exactly, to ``<k x float>``."""
-    ints = ir.VectorType(_I32, bits.type.count)
-    floats = ir.VectorType(ir.FloatType(), ints.count)
-    return builder.bitcast(builder.shl(builder.zext(bits, ints), _splat(ints, 16)), floats)
+    """IR: a <16 x i16> of bf16 bits in a register widened, exactly, to <16 x float>: one shuffle,
+    each value into the high half of its lane and zeros into the low halves (from memory,
+    :func:`load_bf16` widens as it loads)."""
+    zero = ir.Constant(_V16H, None)
+    order = [t for i in range(16) for t in (16, i)]
+    return builder.bitcast(builder.shuffle_vector(bits, zero, ir.Constant(ir.VectorType(_I32, 32), order)), _V16F)
 
 
-def _round16_cvt(builder, value, masks):
+def _round_cvt(builder, value, masks):
     """IR: VCVTNEPS2BF16 of a <16 x float> (a pair of them: VCVTNE2PS2BF16, their <32 x i16> one
     after the other); appends to ``masks`` the i16 of the lanes where that is not torch's rule (0xA1:
     quiet NaN, signalling NaN, denormal)."""
@@ -247,11 +249,11 @@ def _round16_cvt(builder, value, masks):
     return builder.call(cvt, [value])
 
 
-def _round16_trick(builder, value):
+def _round_trick(builder, value):
     """IR: f32_to_bf16's bit trick on each lane of a <16 x float> (NaN: 0x7FC0); of a pair, their
     <32 x i16> one after the other."""
     if isinstance(value, tuple):
-        first, second = (_round16_trick(builder, v) for v in value)
+        first, second = (_round_trick(builder, v) for v in value)
         return builder.shuffle_vector(first, second, ir.Constant(ir.VectorType(_I32, 32), list(range(32))))
     u = builder.bitcast(value, _V16I)
     odd = builder.and_(builder.lshr(u, _splat(_V16I, 16)), _splat(_V16I, 1))
@@ -267,13 +269,13 @@ def rounded_bf16(builder, compute):
     computed with the instruction, and where any lane any ``rnd`` saw is special, computed again in a
     branch with the bit trick. One test and branch for all of a vector's roundings."""
     masks = []
-    fast = compute(lambda value: _round16_cvt(builder, value, masks))
+    fast = compute(lambda value: _round_cvt(builder, value, masks))
     slots = [cgutils.alloca_once_value(builder, value) for value in fast]
     special = masks[0]
     for mask in masks[1:]:
         special = builder.or_(special, mask)
     with builder.if_then(builder.icmp_unsigned("!=", special, ir.Constant(_I16, 0)), likely=False):
-        for slot, value in zip(slots, compute(lambda value: _round16_trick(builder, value))):
+        for slot, value in zip(slots, compute(lambda value: _round_trick(builder, value))):
             builder.store(value, slot)
     return [builder.load(slot) for slot in slots]
 
@@ -291,8 +293,9 @@ def vector_at(builder, base, vec, index):
 
 def load_bf16(builder, base, index):
     """IR: 16 bf16 values from element ``index`` of the i16 pointer ``base``, widened to float
-    (element alignment only)."""
-    return widen_bf16(builder, builder.load(vector_at(builder, base, _V16H, index), align=2))
+    (element alignment only) as they are loaded: zero-extended (a widening load), then shifted."""
+    bits = builder.load(vector_at(builder, base, _V16H, index), align=2)
+    return builder.bitcast(builder.shl(builder.zext(bits, _V16I), _splat(_V16I, 16)), _V16F)
 
 
 def _bf16_row_loop(builder, n, body, width=16):
@@ -313,9 +316,10 @@ def load_bf16_pair(builder, base, index):
     """IR: the 32 bf16 values from element ``index`` of the i16 pointer ``base``, widened, as two
     <16 x float>: the even elements and the odd ones (a shift and a mask of one load, where two
     vectors of consecutive elements take a widening shuffle and a shift each)."""
-    words = builder.load(vector_at(builder, base, _V32I, index), align=2)
-    return (builder.bitcast(builder.shl(words, _splat(_V32I, 16)), _V16F),
-            builder.bitcast(builder.and_(words, _splat(_V32I, 0xFFFF0000)), _V16F))
+    # The 32 words as 16 dwords: element 2i in the low half of dword i, element 2i + 1 in the high.
+    words = builder.load(vector_at(builder, base, _V16I, index), align=2)
+    return (builder.bitcast(builder.shl(words, _splat(_V16I, 16)), _V16F),
+            builder.bitcast(builder.and_(words, _splat(_V16I, 0xFFFF0000)), _V16F))
 
 
 def _deinterleave(builder, pw, j):
@@ -408,31 +412,19 @@ def _emit_store_y(builder, s, scale, pw, py, j, cast, stream=False):
     """y[j:j+16] = f32_to_bf16(w * (s * scale)), or for the Hugging Face forms of round(w) *
     round(s * scale) (round: to bf16 and back; ``cast`` from :func:`_cast_choice`)."""
     w = builder.load(vector_at(builder, pw, _V16F, j), align=4)
-    y = rounded_bf16(builder, lambda rnd: [_y_bits(builder, rnd, s, scale, w, cast)])[0]
+    y = rounded_bf16(builder, lambda rnd: [rnd(_y_value(builder, rnd, s, scale, w, cast))])[0]
     _store_bits(builder, y, vector_at(builder, py, _V16H, j), stream)
 
 
-def _y_bits(builder, rnd, s, scale, w, cast):
-    """y's bits from s (see :func:`_emit_store_y`), each rounding by ``rnd`` (see :func:`rounded_bf16`)."""
-    return rnd(_y_value(builder, rnd, s, scale, w, cast))
-
-
 def _y_value(builder, rnd, s, scale, w, cast):
-    """y before its rounding: the fp32 product of :func:`_y_bits`."""
+    """y before its rounding (see :func:`_emit_store_y`), the earlier roundings by ``rnd`` (see
+    :func:`rounded_bf16`)."""
     xhat = builder.fmul(s, scale)
     if cast == "hf":
         w = widen_bf16(builder, rnd(w))
     if cast != "deepseek":
-        xhat = _widen_bits(builder, rnd(xhat))
+        xhat = widen_bf16(builder, rnd(xhat))
     return builder.fmul(w, xhat)
-
-
-def _widen_bits(builder, bits):
-    """:func:`widen_bf16` of a <16 x i16> held in a register, as one shuffle: each value into the
-    high half of its lane, zeros into the low halves."""
-    zero = ir.Constant(_V16H, None)
-    order = [t for i in range(16) for t in (16, i)]
-    return builder.bitcast(builder.shuffle_vector(bits, zero, ir.Constant(ir.VectorType(_I32, 32), order)), _V16F)
 
 
 def _bf16_loops(builder, n, choices, body, width=16, values=()):
@@ -496,8 +488,8 @@ def scale_sum_bf16_rows(typingctx, x_addr, r_addr, o_addr, y_addr, w_addr, rstd,
     to 32 (to 16 without r), ``s = x[j] + r[j]`` widened (``r_addr`` 0: ``s = x[j]``), ``o[j] = f32_to_bf16(s)`` (with
     ``r``) and ``y[j]`` from ``s`` as in :func:`scale_bf16_rows`; x, r, o, y bf16 rows (o may be r,
     y may be x: each vector is read before it is written), w an fp32 one (``gain_exact`` as there).
-    ``stream``: o and y are written with non-temporal stores where both start on a 64-byte
-    boundary (checked here; the caller fences). Returns where the scalar loop must start: 0 without
+    ``stream``: o and y are written with non-temporal stores where both are aligned to the vectors
+    stored (checked here; the caller fences). Returns where the scalar loop must start: 0 without
     AVX512-BF16 or for a float64 ``rstd`` (fp64 compute)."""
     if not isinstance(rstd, types.Float):
         return None
@@ -529,10 +521,12 @@ def scale_sum_bf16_rows(typingctx, x_addr, r_addr, o_addr, y_addr, w_addr, rstd,
 
         zero = ir.Constant(ra.type, 0)
         fused = builder.icmp_unsigned("!=", ra, zero)
-        # A vector's non-temporal store needs its own alignment, 64 bytes (unaligned, LLVM splits
-        # it into 8-byte MOVNTSD); o is written only with r.
+        # A vector's non-temporal store needs the vector's alignment (unaligned, LLVM splits it
+        # into 8-byte MOVNTSD): 64 bytes for the fused rows' 32 values, 32 for the plain rows' 16;
+        # o is written only with r.
         outputs = builder.or_(ya, builder.select(fused, oa, zero))
-        aligned = builder.icmp_unsigned("==", builder.and_(outputs, ir.Constant(ra.type, 63)), zero)
+        mask = builder.select(fused, ir.Constant(ra.type, 63), ir.Constant(ra.type, 31))
+        aligned = builder.icmp_unsigned("==", builder.and_(outputs, mask), zero)
         cast = _cast_choice(builder, cast_hf_arg, gain_exact_arg)
         return _bf16_loops(builder, n_arg, [fused, cast, builder.and_(stream_arg, aligned)], body,
                            lambda fused, *_: 32 if fused else 16)

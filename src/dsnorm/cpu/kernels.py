@@ -64,7 +64,7 @@ from dsnorm.cpu.stages import (
 
 # This module's kernels compile those of the modules above into themselves: the digest of their
 # sources (see dsnorm.cpu.runtime) makes a change to any of them a change to this file.
-DEPENDENCIES_SHA256 = "c9c0129f432245ef3323843ea4f0c2c394450a3aa50e760308a7457e8aea07f1"
+DEPENDENCIES_SHA256 = "31c20a8d13a49c8ceb5174526bec06b21298f044703feedf1e82a4d0b660929b"
 
 # Software prefetch of the next row, interleaved with the store pass (see forward_rows): every
 # _PREFETCH_BYTES of output stored, the matching 64-byte lines of the next row's inputs are
@@ -158,7 +158,7 @@ def forward_rows(
     # Up to one whole level step: with exactly 2**level_power groups the array form's one step moves
     # level 0 into a zeroed level 1 and back (0 + c is c), the register form's single chain.
     narrow = lanes == lanes_max and groups <= (1 << level_power)
-    # One-dtype bf16 rows of a wide row, fp32 compute, where the target rounds 16 values at once
+    # One-dtype bf16 rows of a wide row, fp32 compute, where the target rounds a vector at once
     # (intrinsics.BF16_CVT): the sum reads the inputs themselves, and the output stage reads them
     # again instead of an fp32 scratch row. The sum's order is the same; only a row's tail past its
     # whole level steps goes through the scratch. A plain row is read faster that way wherever it
@@ -273,9 +273,10 @@ def forward_serial64(
     )
 
 
-# Floats of decode scratch on the stack at most: 8.7 KiB, the latent norms' widths (1536, 512). A
-# thread's stack may be as small as 32 KiB (threading.stack_size's minimum): 33 KiB of scratch
-# (every width to 8192) crashed such a thread at 7168, and 17 KiB (4096) left it little room.
+# Floats of decode scratch on the stack at most: 8.7 KiB, the latent norms' widths (1536, 512; with
+# a narrow gain widened beside the row, 512 only: 1536 then takes the heap). A thread's stack may be
+# as small as 32 KiB (threading.stack_size's minimum): 33 KiB of scratch (every width to 8192)
+# crashed such a thread at 7168, and 17 KiB (4096) left it little room.
 _STACK_SCRATCH = 2048 + ACC_SLOTS
 
 

@@ -69,7 +69,7 @@ _gain_rows = threading.local()
 
 def _widened(n, w_addr, w_code):
     """``(address, row)``: the gain at ``w_addr`` (bf16/fp16 ``w_code``) widened into this thread's
-    row, which the caller puts back with :func:`_put_back` once the kernel has returned."""
+    row, which the caller puts back in ``_gain_rows.row`` once the kernel has returned."""
     row = getattr(_gain_rows, "row", None)
     if row is None or row.numel() < n:
         row = torch.empty(max(n, 8192), dtype=_F32)
@@ -78,10 +78,6 @@ def _widened(n, w_addr, w_code):
     address = row.data_ptr()
     (_widen_entry or _compile_widen())(n, w_code, w_addr, address)
     return address, row
-
-
-def _put_back(row):
-    _gain_rows.row = row
 
 
 _is_grad_enabled = torch.is_grad_enabled
@@ -209,7 +205,7 @@ def lane(form, x, residual, weight, eps, cast, residual_rounding, residual_dtype
                    eps, cast_hf, round_first)
         return y, residual_out
     # An fp32 weight is read while x and residual are written: apart from both (a narrow one is read
-    # only widened, into a row or copy of the call's own, as the general path widens it).
+    # only widened, into the decode kernel's scratch or the thread's row, before either is written).
     w_end = w_addr + 4 * n
     if not ((x_addr + nbytes <= r_addr or r_addr + nbytes <= x_addr)
             and (w_code != F32 or ((w_end <= x_addr or x_addr + nbytes <= w_addr)
@@ -236,7 +232,7 @@ def _lane_parallel(rows, n, code, x_addr, x_stride, res_addr, w_addr, w_code, y_
     run_parallel(False, nthreads, rows, n, x_addr, x_stride, code, res_addr, n, code, w_addr, y_addr, n,
                  rout_addr, n, code, 0, eps, cast_hf, round_first)
     if row is not None:
-        _put_back(row)
+        _gain_rows.row = row
 
 
 # The lane takes decode batches (64 rows of 1536 and more); prefill-sized calls take the general
