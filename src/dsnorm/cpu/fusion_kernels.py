@@ -35,7 +35,7 @@ from dsnorm.cpu.stages import load_row
 
 # This module's kernels compile those of the modules above into themselves: the digest of their
 # sources (see dsnorm.cpu.runtime) makes a change to any of them a change to this file.
-DEPENDENCIES_SHA256 = "c9f0d763df3d3c2b505ff41f439a9d8706ae9dfbef0233c35334ad454c08d0d3"
+DEPENDENCIES_SHA256 = "a6d51f5826077a514bf67e475a10de95e568593208761d99b44118c67706dd9d"
 
 _ptr_u8 = pointer_intrinsic(types.uint8, ir.IntType(8))
 _ptr_i64 = pointer_intrinsic(types.int64, ir.IntType(64))

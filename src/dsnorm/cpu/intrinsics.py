@@ -265,9 +265,9 @@ def _round_trick(builder, value):
 def rounded_bf16(builder, compute):
     """IR: ``compute(rnd)``, a list of values computed without side effects from vectors that
     ``rnd`` (<16 x float> -> <16 x i16>; a pair of them -> <32 x i16>) rounds to bf16, with
-    f32_to_bf16's bits for every lane:
-    computed with the instruction, and where any lane any ``rnd`` saw is special, computed again in a
-    branch with the bit trick. One test and branch for all of a vector's roundings."""
+    f32_to_bf16's bits for every lane: computed with the instruction, and where any lane any
+    ``rnd`` saw is special, computed again in a branch with the bit trick. One test and branch for
+    all of a vector's roundings."""
     masks = []
     fast = compute(lambda value: _round_cvt(builder, value, masks))
     slots = [cgutils.alloca_once_value(builder, value) for value in fast]
@@ -485,9 +485,10 @@ def store_fence(typingctx):
 @intrinsic
 def scale_sum_bf16_rows(typingctx, x_addr, r_addr, o_addr, y_addr, w_addr, rstd, n, cast_hf, gain_exact, stream):
     """The vector part of the output stage that reads no scratch row: for j below ``n`` rounded down
-    to 32 (to 16 without r), ``s = x[j] + r[j]`` widened (``r_addr`` 0: ``s = x[j]``), ``o[j] = f32_to_bf16(s)`` (with
-    ``r``) and ``y[j]`` from ``s`` as in :func:`scale_bf16_rows`; x, r, o, y bf16 rows (o may be r,
-    y may be x: each vector is read before it is written), w an fp32 one (``gain_exact`` as there).
+    to 32 (to 16 without r), ``s = x[j] + r[j]`` widened (``r_addr`` 0: ``s = x[j]``), ``o[j] =
+    f32_to_bf16(s)`` (with ``r``) and ``y[j]`` from ``s`` as in :func:`scale_bf16_rows`; x, r, o, y
+    bf16 rows (o may be r, y may be x: each vector is read before it is written), w an fp32 one
+    (``gain_exact`` as there).
     ``stream``: o and y are written with non-temporal stores where both are aligned to the vectors
     stored (checked here; the caller fences). Returns where the scalar loop must start: 0 without
     AVX512-BF16 or for a float64 ``rstd`` (fp64 compute)."""

@@ -64,7 +64,7 @@ from dsnorm.cpu.stages import (
 
 # This module's kernels compile those of the modules above into themselves: the digest of their
 # sources (see dsnorm.cpu.runtime) makes a change to any of them a change to this file.
-DEPENDENCIES_SHA256 = "31c20a8d13a49c8ceb5174526bec06b21298f044703feedf1e82a4d0b660929b"
+DEPENDENCIES_SHA256 = "0e2373516a157c4ef2b3797746a3bbee00962ae0bb9a433fe50b8eaf9927b876"
 
 # Software prefetch of the next row, interleaved with the store pass (see forward_rows): every
 # _PREFETCH_BYTES of output stored, the matching 64-byte lines of the next row's inputs are
