@@ -87,14 +87,14 @@ MUTANTS = (
     ),
     Mutant(
         "cast_deepseek_rounds_xhat", "cpu/stages.py",
-        "return f32_to_bf16(w * (v * rstd))",
-        "return f32_to_bf16(w * round_to(v * rstd, BF16))",
+        "return _bf16_bits(w * (v * rstd), finite)",
+        "return _bf16_bits(w * round_to(v * rstd, BF16), finite)",
         (_LANE,), "cast='deepseek' rounds x-hat to bf16 before the weight multiply",
     ),
     Mutant(
         "cast_hf_keeps_fp32", "cpu/stages.py",
-        "return f32_to_bf16(round_to(w, BF16) * round_to(v * rstd, BF16))",
-        "return f32_to_bf16(w * (v * rstd))",
+        "return _bf16_bits(_bf16_round(w, finite) * _bf16_round(v * rstd, finite), finite)",
+        "return _bf16_bits(w * (v * rstd), finite)",
         (_LANE,), "cast='hf' multiplies in fp32 (DeepSeek's order) instead of rounding weight and x-hat",
     ),
     Mutant(
@@ -116,6 +116,20 @@ MUTANTS = (
         "out = tl.math.rsqrt(var)",
         (("tests/test_triton_compile.py", "-k", "test_kernels_compile_for_sm90"),),
         "Triton rstd by the approximate rsqrt instruction (PTX compiled for sm_90)",
+    ),
+    Mutant(
+        "bf16_row_finiteness_assumed", "cpu/kernels.py",
+        "finite = gain_finite and total - total == 0.0",
+        "finite = gain_finite",
+        (("tests/test_fidelity.py", "-k", "nans_in_every_lane or without_avx512_bf16"),),
+        "without AVX512-BF16, a row holding a NaN or an infinity is rounded without the NaN test",
+    ),
+    Mutant(
+        "bf16_gain_finiteness_assumed", "cpu/kernels.py",
+        "gain_finite = trick_bf16 and gain_is_finite(w_addr, n)",
+        "gain_finite = trick_bf16",
+        (("tests/test_fidelity.py", "-k", "infinities_nans_and_overflow or without_avx512_bf16"),),
+        "without AVX512-BF16, a gain holding an infinity or a NaN is rounded without the NaN test",
     ),
     Mutant(
         "mean_divisor", "cpu/kernels.py",

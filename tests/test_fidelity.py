@@ -362,6 +362,33 @@ def test_rows_beyond_the_caches_bitwise(cast, gain, width, threads):
     assert bits_equal(y, y_ref) and (_bits(y)[y_ref.isnan()] == 0x7FC0).all()
 
 
+@pytest.mark.parametrize("rows, width", [(3, 61), (3, 7184), (64, 7168)])
+@pytest.mark.parametrize("cast, gain", _CASTS_AND_GAINS)
+def test_gains_with_infinities_nans_and_overflow_bitwise(cast, gain, rows, width, threads):
+    # Where the bit trick rounds (no AVX512-BF16), a row whose sum and gain are finite is rounded
+    # without the NaN test: nothing rounded can be NaN there. A gain holding an infinity or a NaN
+    # (inf * 0 is NaN: those lanes' inputs are zero) must still give every NaN the bits 0x7FC0, and
+    # a huge finite gain overflow to infinity as in the reference. 64 rows: the threaded kernel.
+    torch.set_num_threads(2)
+    x, r = _data((rows, width), torch.bfloat16, 41), _data((rows, width), torch.bfloat16, 42)
+    x[:, 1], r[:, 1] = 0, 0
+    x[:, 0], r[:, 0] = 4, 0  # x̂ about 2.8 there
+    for special in (None, float("inf"), float("nan")):
+        w = _weight(width)
+        w[0] = 3e38  # finite, in bf16 too; w * x̂ overflows where |x̂| > 1.14, as in column 0
+        if special is not None:
+            w[1], w[width // 2] = special, -special
+        w = w.to(gain).float()
+        y_ref, res_ref = fused_add_rms_norm_ref(x, r, w, cast=cast)
+        assert y_ref.isinf().any() and (y_ref.isnan().any() == (special is not None))
+        for y, res in (dsnorm.fused_add_rms_norm(x, r, w.to(gain), cast=cast),
+                       dsnorm.fused_add_rms_norm_(x.clone(), r.clone(), w.to(gain), cast=cast)):
+            assert bits_equal(y, y_ref) and bits_equal(res, res_ref)
+            assert (_bits(y)[y_ref.isnan()] == 0x7FC0).all()
+        y, y_ref = dsnorm.rms_norm(x, w.to(gain), cast=cast), rms_norm_ref(x, w, cast=cast)
+        assert bits_equal(y, y_ref) and (_bits(y)[y_ref.isnan()] == 0x7FC0).all()
+
+
 def test_the_same_bits_on_cpus_without_avx512_bf16(tmp_path):
     # Where the CPU has AVX512-BF16 the bf16 paths differ (the conversion instruction, rows summed
     # and stored without the scratch row, streaming stores); a child process compiling for this CPU
@@ -382,7 +409,9 @@ def test_the_same_bits_on_cpus_without_avx512_bf16(tmp_path):
             r = (4 * torch.randn(rows, width)).bfloat16()
             x[0, 1], r[0, 1] = 1e-39, 2e-39  # a subnormal sum
             x[-1, 3] = float("nan")
-            for w in (1 + 0.1 * torch.randn(width), (1 + 0.1 * torch.randn(width)).bfloat16()):
+            special = 1 + 0.1 * torch.randn(width)
+            special[1], special[-1] = float("inf"), float("nan")  # finite rows, NaNs in y
+            for w in (1 + 0.1 * torch.randn(width), (1 + 0.1 * torch.randn(width)).bfloat16(), special):
                 for cast in ("deepseek", "hf"):
                     out += [dsnorm.rms_norm(x, w, cast=cast), *dsnorm.fused_add_rms_norm(x, r, w, cast=cast)]
                     xi, ri = x.clone(), r.clone()
@@ -395,7 +424,7 @@ def test_the_same_bits_on_cpus_without_avx512_bf16(tmp_path):
     subprocess.run([sys.executable, str(script), str(tmp_path / "without.pt")], env=env, check=True)
     subprocess.run([sys.executable, str(script), str(tmp_path / "with.pt")], check=True)
     with_, without = torch.load(tmp_path / "with.pt"), torch.load(tmp_path / "without.pt")
-    assert len(with_) == len(without) == 5 * 2 * 2 * 5
+    assert len(with_) == len(without) == 5 * 3 * 2 * 5
     for k, (a, b) in enumerate(zip(with_, without)):
         assert torch.equal(a, b), k
 

@@ -35,7 +35,7 @@ from dsnorm.cpu.stages import load_row
 
 # This module's kernels compile those of the modules above into themselves: the digest of their
 # sources (see dsnorm.cpu.runtime) makes a change to any of them a change to this file.
-DEPENDENCIES_SHA256 = "a6d51f5826077a514bf67e475a10de95e568593208761d99b44118c67706dd9d"
+DEPENDENCIES_SHA256 = '343c18f9dd18801a23ed6117b524b1ca55bc7115313745e3eab059aaf5e8bb0c'
 
 _ptr_u8 = pointer_intrinsic(types.uint8, ir.IntType(8))
 _ptr_i64 = pointer_intrinsic(types.int64, ir.IntType(64))

@@ -54,6 +54,7 @@ from dsnorm.cpu.intrinsics import (
 from dsnorm.cpu.runtime import kernel
 from dsnorm.cpu.stages import (
     gain_is_bf16,
+    gain_is_finite,
     load_row,
     load_span,
     round_row,
@@ -64,7 +65,7 @@ from dsnorm.cpu.stages import (
 
 # This module's kernels compile those of the modules above into themselves: the digest of their
 # sources (see dsnorm.cpu.runtime) makes a change to any of them a change to this file.
-DEPENDENCIES_SHA256 = "0e2373516a157c4ef2b3797746a3bbee00962ae0bb9a433fe50b8eaf9927b876"
+DEPENDENCIES_SHA256 = 'b7a49849e52a99dd615708c96f7e1d9da657061c25c4bf1a59bdb1ee39238977'
 
 # Software prefetch of the next row, interleaved with the store pass (see forward_rows): every
 # _PREFETCH_BYTES of output stored, the matching 64-byte lines of the next row's inputs are
@@ -179,6 +180,15 @@ def forward_rows(
     # A gain whose values are all bf16 (a bf16 gain the lane widened: vLLM's) is not rounded again
     # in the Hugging Face order: the same bits, one rounding less per element.
     gain_exact = cast_hf and x_code == BF16 and w_size == 4 and gain_is_bf16(w_addr, n)
+    # Elsewhere the bit trick rounds, and a row whose sum and gain are finite holds no NaN to round
+    # (s is finite, rstd finite, w * (s * rstd) finite or infinite): its roundings skip the NaN
+    # test (intrinsics.f32_to_bf16_finite). One-dtype fused rows then store residual_out in the
+    # output stage, from the scratch row, when the row's sum is known, instead of in the load stage.
+    trick_bf16 = not BF16_CVT and x_code == BF16 and w_size == 4
+    gain_finite = trick_bf16 and gain_is_finite(w_addr, n)
+    late_rout = trick_bf16 and fused_one_dtype and not round_first
+    if late_rout:
+        span_rout = I0
     stream = (
         direct and y_addr != x_addr and (res_addr == 0 or rout_addr != res_addr)
         and (r1 - r0) * n * x_size >= _STREAM_MIN_BYTES
@@ -207,13 +217,14 @@ def forward_rows(
                 continue
             hi = lo + step_len if full_step else n
             load_span(lo, hi, buf, row, x_addr, x_stride, x_code, res_addr, res_stride, res_code,
-                      span_rout, rout_stride, rout_code, round_first, fused_one_dtype and not direct)
+                      span_rout, rout_stride, rout_code, round_first, fused_one_dtype and not direct and not late_rout)
             if not full_step:
                 break
             i = sum_step(buf, i, lanes, level_power, acc)
             lo = hi
         total = _narrow_total(buf, n) if narrow else sum_finish(buf, n, i, lanes, nvec, groups, acc)
         rstd = one / np.sqrt(total / width + eps)
+        finite = gain_finite and total - total == 0.0
         if rstd_addr != 0:
             if scratch.itemsize == 4:
                 ptr_f32(rstd_addr)[row] = rstd
@@ -240,7 +251,8 @@ def forward_rows(
                                      w_addr + w_size * lo, rstd, hi - lo, cast_hf, gain_exact, stream)
             else:
                 store_scaled_row(y_addr, row * y_stride + lo, x_code, buf[lo:hi], w_addr + w_size * lo, rstd,
-                                 hi - lo, cast_hf, gain_exact)
+                                 hi - lo, cast_hf, gain_exact, rout_addr if late_rout else I0,
+                                 row * rout_stride + lo, finite)
             lo = hi
     if stream:
         store_fence()

@@ -18,6 +18,7 @@ from dsnorm.cpu.intrinsics import (
     bf16_to_f32,
     f16_bits_to_f32,
     f32_to_bf16,
+    f32_to_bf16_finite,
     f32_to_f16_bits,
     ptr_f32,
     ptr_f64,
@@ -102,6 +103,16 @@ def round_row(buf, n, code):
 
 
 @njit(inline="always")
+def _load_add_bf16_row(x_addr, x_off, r_addr, r_off, buf, n):
+    """buf = x + r, bf16 rows widened, in one loop (load_row twice would write buf, then read it
+    back to add)."""
+    px = ptr_u16(x_addr)
+    pr = ptr_u16(r_addr)
+    for j in range(n):
+        buf[j] = bf16_to_f32(px[x_off + j]) + bf16_to_f32(pr[r_off + j])
+
+
+@njit(inline="always")
 def _load_add_store_row(x_addr, x_off, r_addr, r_off, o_addr, o_off, code, buf, n, round_first):
     """The common fused case in one loop, all three rows of one dtype: buf = x + r (rounded to
     ``code`` first for round_first), residual_out = buf rounded to ``code``."""
@@ -155,29 +166,69 @@ def _load_add_store_row(x_addr, x_off, r_addr, r_off, o_addr, o_off, code, buf, 
 
 
 @njit(inline="always")
-def _scaled_bf16(w, v, rstd, cast_hf):
-    """y's bf16 bits: ``w * (v * rstd)`` rounded once, or in the Hugging Face order ``round(w) *
-    round(v * rstd)`` rounded (round: to bf16 and back); intrinsics.scale_bf16_rows is its vector
-    form."""
-    if cast_hf:
-        return f32_to_bf16(round_to(w, BF16) * round_to(v * rstd, BF16))
-    return f32_to_bf16(w * (v * rstd))
+def _bf16_bits(value, finite):
+    """f32_to_bf16, or for a value known not to be NaN (``finite``) its cheaper form."""
+    return f32_to_bf16_finite(value) if finite else f32_to_bf16(value)
 
 
 @njit(inline="always")
-def store_scaled_row(addr, offset, code, buf, w_addr, rstd, n, cast_hf, gain_exact):
+def _bf16_round(value, finite):
+    """round_to(value, BF16), or for a value known not to be NaN its cheaper form."""
+    return bf16_to_f32(_bf16_bits(numba.float32(value), finite))
+
+
+@njit(inline="always")
+def _scaled_bf16(w, v, rstd, cast_hf, finite):
+    """y's bf16 bits: ``w * (v * rstd)`` rounded once, or in the Hugging Face order ``round(w) *
+    round(v * rstd)`` rounded (round: to bf16 and back); intrinsics.scale_bf16_rows is its vector
+    form. ``finite``: w and v are finite and rstd the row's, so that no value rounded is NaN."""
+    if cast_hf:
+        return _bf16_bits(_bf16_round(w, finite) * _bf16_round(v * rstd, finite), finite)
+    return _bf16_bits(w * (v * rstd), finite)
+
+
+@njit(inline="always")
+def _scaled_bf16_loop(pb, offset, po, o_off, buf, wb, rstd, start, n, cast_hf, finite, with_o):
+    """bf16 y from ``start`` (and residual_out, the scratch row rounded, ``with_o``); the flags are
+    literals at each call, so that each loop is straight-line code."""
+    for j in range(start, n):
+        v = buf[j]
+        if with_o:
+            po[o_off + j] = _bf16_bits(v, finite)
+        pb[offset + j] = _scaled_bf16(wb[j], v, rstd, cast_hf, finite)
+
+
+@njit(inline="always")
+def store_scaled_row(addr, offset, code, buf, w_addr, rstd, n, cast_hf, gain_exact, o_addr, o_off, finite):
     """row = (w * (buf * rstd)) rounded once to ``code``; Hugging Face order with ``cast_hf``
-    (``gain_exact``: see :func:`gain_is_bf16`)."""
+    (``gain_exact``: see :func:`gain_is_bf16`). bf16 only: residual_out (``o_addr``, 0 for none)
+    = buf rounded, and ``finite``: the row's sum and the gain are finite, so no value rounded is
+    NaN (see forward_rows)."""
     if code == BF16:
         wb = ptr_f32(w_addr)
         pb = ptr_u16(addr)
-        start = scale_bf16_rows(addr + 2 * offset, buf, w_addr, rstd, n, cast_hf, gain_exact)
-        if cast_hf:
-            for j in range(start, n):
-                pb[offset + j] = _scaled_bf16(wb[j], buf[j], rstd, True)
+        po = ptr_u16(o_addr)
+        # The vector part where the target has AVX512-BF16 (there residual_out is stored earlier).
+        start = scale_bf16_rows(addr + 2 * offset, buf, w_addr, rstd, n, cast_hf, gain_exact) if o_addr == 0 else 0
+        if o_addr != 0:
+            if finite:
+                if cast_hf:
+                    _scaled_bf16_loop(pb, offset, po, o_off, buf, wb, rstd, start, n, True, True, True)
+                else:
+                    _scaled_bf16_loop(pb, offset, po, o_off, buf, wb, rstd, start, n, False, True, True)
+            elif cast_hf:
+                _scaled_bf16_loop(pb, offset, po, o_off, buf, wb, rstd, start, n, True, False, True)
+            else:
+                _scaled_bf16_loop(pb, offset, po, o_off, buf, wb, rstd, start, n, False, False, True)
+        elif finite:
+            if cast_hf:
+                _scaled_bf16_loop(pb, offset, po, o_off, buf, wb, rstd, start, n, True, True, False)
+            else:
+                _scaled_bf16_loop(pb, offset, po, o_off, buf, wb, rstd, start, n, False, True, False)
+        elif cast_hf:
+            _scaled_bf16_loop(pb, offset, po, o_off, buf, wb, rstd, start, n, True, False, False)
         else:
-            for j in range(start, n):
-                pb[offset + j] = _scaled_bf16(wb[j], buf[j], rstd, False)
+            _scaled_bf16_loop(pb, offset, po, o_off, buf, wb, rstd, start, n, False, False, False)
     elif code == F16:
         wh = ptr_f32(w_addr)
         ph = ptr_u16(addr)
@@ -219,7 +270,20 @@ def store_sum_scaled_row(x_addr, x_off, r_addr, r_off, o_addr, o_off, y_addr, y_
         if r_addr != 0:
             v += bf16_to_f32(pr[r_off + j])
             po[o_off + j] = f32_to_bf16(v)
-        py[y_off + j] = _scaled_bf16(wb[j], v, rstd, cast_hf)
+        py[y_off + j] = _scaled_bf16(wb[j], v, rstd, cast_hf, False)
+
+
+@njit(inline="always")
+def gain_is_finite(w_addr, n):
+    """Whether no value of the fp32 gain row at ``w_addr`` is infinite or NaN (exponent all ones)."""
+    # A magnitude's bits are 0x7F800000 or more exactly where adding 0x00800000 sets the top bit:
+    # an OR reduction, which LLVM vectorises (a max or a compare in the loop it left scalar), each
+    # step cast back to uint32 (numba widens uint32 arithmetic to 64 bits: half as many lanes).
+    p32 = ptr_u32(w_addr)
+    bits = numba.uint32(0)
+    for j in range(n):
+        bits = numba.uint32(bits | numba.uint32(numba.uint32(p32[j] & numba.uint32(0x7FFFFFFF)) + numba.uint32(0x00800000)))
+    return bits < numba.uint32(0x80000000)
 
 
 @njit(inline="always")
@@ -230,8 +294,8 @@ def gain_is_bf16(w_addr, n):
     stages skip it."""
     p32 = ptr_u32(w_addr)
     low = numba.uint32(0)
-    for j in range(n):
-        low |= p32[j] & numba.uint32(0xFFFF)
+    for j in range(n):  # uint32 throughout, as in gain_is_finite
+        low = numba.uint32(low | numba.uint32(p32[j] & numba.uint32(0xFFFF)))
     return low == 0
 
 
@@ -250,6 +314,10 @@ def load_span(
             x_addr, row * x_stride + lo, res_addr, row * res_stride + lo, rout_addr, row * rout_stride + lo,
             x_code, span, m, round_first,
         )
+    elif x_code == BF16 and res_code == BF16 and not round_first:
+        _load_add_bf16_row(x_addr, row * x_stride + lo, res_addr, row * res_stride + lo, span, m)
+        if rout_addr != 0:
+            store_row(rout_addr, row * rout_stride + lo, rout_code, span, m)
     else:
         load_row(x_addr, row * x_stride + lo, x_code, span, m, False)
         load_row(res_addr, row * res_stride + lo, res_code, span, m, True)
