@@ -59,7 +59,14 @@ MUTANTS = (
         "cpu_fused_sum_rounded", "cpu/stages.py",
         "po[o_off + j] = bits\n            buf[j] = bf16_to_f32(bits) if round_first else v",
         "po[o_off + j] = bits\n            buf[j] = bf16_to_f32(bits)",
-        (_LANE,), "CPU fused kernel normalises the rounded sum under fp32_sum (bf16, out of place)",
+        (_LANE,), "CPU fused kernel normalises the rounded sum under fp32_sum (bf16, out of place; "
+        "CPUs with AVX512-BF16, elsewhere cpu_late_fused_sum_rounded)",
+    ),
+    Mutant(
+        "cpu_late_fused_sum_rounded", "cpu/stages.py",
+        "        v = buf[j]\n        if with_o:",
+        "        v = bf16_to_f32(_bf16_bits(buf[j], finite))\n        if with_o:",
+        (_LANE,), "CPU fused kernel normalises the rounded sum under fp32_sum (bf16, without AVX512-BF16)",
     ),
     Mutant(
         "cpu_fp8_sum_rounded", "cpu/fusion_kernels.py",

@@ -35,7 +35,7 @@ from dsnorm.cpu.stages import load_row
 
 # This module's kernels compile those of the modules above into themselves: the digest of their
 # sources (see dsnorm.cpu.runtime) makes a change to any of them a change to this file.
-DEPENDENCIES_SHA256 = '343c18f9dd18801a23ed6117b524b1ca55bc7115313745e3eab059aaf5e8bb0c'
+DEPENDENCIES_SHA256 = 'd577f46700a5ad7a34d4e7dc2018aa0389fc190de1f0a1f616b00e5cef9afa1e'
 
 _ptr_u8 = pointer_intrinsic(types.uint8, ir.IntType(8))
 _ptr_i64 = pointer_intrinsic(types.int64, ir.IntType(64))

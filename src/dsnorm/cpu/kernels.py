@@ -65,7 +65,7 @@ from dsnorm.cpu.stages import (
 
 # This module's kernels compile those of the modules above into themselves: the digest of their
 # sources (see dsnorm.cpu.runtime) makes a change to any of them a change to this file.
-DEPENDENCIES_SHA256 = 'b7a49849e52a99dd615708c96f7e1d9da657061c25c4bf1a59bdb1ee39238977'
+DEPENDENCIES_SHA256 = '8b20c188c0da2da93b3d9941d52bbb6ebb7d597ff09631364d50e666ae010d57'
 
 # Software prefetch of the next row, interleaved with the store pass (see forward_rows): every
 # _PREFETCH_BYTES of output stored, the matching 64-byte lines of the next row's inputs are
@@ -141,8 +141,9 @@ def forward_rows(
     one = eps / eps
     acc[0] = n
     width = acc[0]  # the mean is a true division by the width, as in torch
-    # The one-loop fused stage for the common case; in place it has a bf16 form only (other dtypes
-    # take the stage-per-loop path, whose loops each touch one external row and so vectorise).
+    # The one-loop fused stage where all three rows share a dtype (bf16 without AVX512-BF16 takes
+    # it for round_first only: see late_rout); in place it has a bf16 form only (other dtypes take
+    # the stage-per-loop path, whose loops each touch one external row and so vectorise).
     fused_one_dtype = (
         res_code == x_code and rout_code == x_code and rout_addr != 0
         and (rout_addr != res_addr or x_code == BF16)
@@ -180,9 +181,10 @@ def forward_rows(
     # A gain whose values are all bf16 (a bf16 gain the lane widened: vLLM's) is not rounded again
     # in the Hugging Face order: the same bits, one rounding less per element.
     gain_exact = cast_hf and x_code == BF16 and w_size == 4 and gain_is_bf16(w_addr, n)
-    # Elsewhere the bit trick rounds, and a row whose sum and gain are finite holds no NaN to round
-    # (s is finite, rstd finite, w * (s * rstd) finite or infinite): its roundings skip the NaN
-    # test (intrinsics.f32_to_bf16_finite). One-dtype fused rows then store residual_out in the
+    # Elsewhere the bit trick rounds, and a row whose sum is finite, under a gain that stays finite
+    # in bf16 (gain_is_finite), holds no NaN to round: s is finite, rstd finite, and w * (s * rstd)
+    # (or round(w) * round(s * rstd)) finite or infinite. Its roundings skip the NaN test
+    # (intrinsics.f32_to_bf16_finite). One-dtype fp32_sum fused rows then store residual_out in the
     # output stage, from the scratch row, when the row's sum is known, instead of in the load stage.
     trick_bf16 = not BF16_CVT and x_code == BF16 and w_size == 4
     gain_finite = trick_bf16 and gain_is_finite(w_addr, n)

@@ -114,8 +114,9 @@ def _load_add_bf16_row(x_addr, x_off, r_addr, r_off, buf, n):
 
 @njit(inline="always")
 def _load_add_store_row(x_addr, x_off, r_addr, r_off, o_addr, o_off, code, buf, n, round_first):
-    """The common fused case in one loop, all three rows of one dtype: buf = x + r (rounded to
-    ``code`` first for round_first), residual_out = buf rounded to ``code``."""
+    """The fused load stage in one loop, all three rows of one dtype: buf = x + r (rounded to
+    ``code`` first for round_first), residual_out = buf rounded to ``code`` (bf16 rows without
+    AVX512-BF16 take it for round_first only: forward_rows' late_rout)."""
     if code == BF16 and o_addr == r_addr and o_off == r_off:
         # In place: one pointer for the residual's read and write, so LLVM sees the same address
         # (distance 0) and vectorises; two pointers to the same row fail its runtime overlap check
@@ -181,7 +182,8 @@ def _bf16_round(value, finite):
 def _scaled_bf16(w, v, rstd, cast_hf, finite):
     """y's bf16 bits: ``w * (v * rstd)`` rounded once, or in the Hugging Face order ``round(w) *
     round(v * rstd)`` rounded (round: to bf16 and back); intrinsics.scale_bf16_rows is its vector
-    form. ``finite``: w and v are finite and rstd the row's, so that no value rounded is NaN."""
+    form. ``finite``: v is finite, rstd the row's and w finite in bf16 too (gain_is_finite), so
+    that no value rounded is NaN."""
     if cast_hf:
         return _bf16_bits(_bf16_round(w, finite) * _bf16_round(v * rstd, finite), finite)
     return _bf16_bits(w * (v * rstd), finite)
@@ -202,13 +204,13 @@ def _scaled_bf16_loop(pb, offset, po, o_off, buf, wb, rstd, start, n, cast_hf, f
 def store_scaled_row(addr, offset, code, buf, w_addr, rstd, n, cast_hf, gain_exact, o_addr, o_off, finite):
     """row = (w * (buf * rstd)) rounded once to ``code``; Hugging Face order with ``cast_hf``
     (``gain_exact``: see :func:`gain_is_bf16`). bf16 only: residual_out (``o_addr``, 0 for none)
-    = buf rounded, and ``finite``: the row's sum and the gain are finite, so no value rounded is
-    NaN (see forward_rows)."""
+    = buf rounded, and ``finite``: the row's sum is finite and the gain finite in bf16, so no
+    value rounded is NaN (see forward_rows)."""
     if code == BF16:
         wb = ptr_f32(w_addr)
         pb = ptr_u16(addr)
         po = ptr_u16(o_addr)
-        # The vector part where the target has AVX512-BF16 (there residual_out is stored earlier).
+        # The vector part where the target has AVX512-BF16 (only targets without it pass o_addr).
         start = scale_bf16_rows(addr + 2 * offset, buf, w_addr, rstd, n, cast_hf, gain_exact) if o_addr == 0 else 0
         if o_addr != 0:
             if finite:
@@ -275,14 +277,17 @@ def store_sum_scaled_row(x_addr, x_off, r_addr, r_off, o_addr, o_off, y_addr, y_
 
 @njit(inline="always")
 def gain_is_finite(w_addr, n):
-    """Whether no value of the fp32 gain row at ``w_addr`` is infinite or NaN (exponent all ones)."""
-    # A magnitude's bits are 0x7F800000 or more exactly where adding 0x00800000 sets the top bit:
+    """Whether every value of the fp32 gain row at ``w_addr`` is finite and stays finite rounded
+    to bf16 (the Hugging Face order rounds it: from 0x7F7F8000 on, a magnitude rounds to inf, and
+    inf * 0 is a NaN)."""
+    # A magnitude's bits are 0x7F7F8000 or more exactly where adding 0x00808000 sets the top bit:
     # an OR reduction, which LLVM vectorises (a max or a compare in the loop it left scalar), each
     # step cast back to uint32 (numba widens uint32 arithmetic to 64 bits: half as many lanes).
     p32 = ptr_u32(w_addr)
     bits = numba.uint32(0)
     for j in range(n):
-        bits = numba.uint32(bits | numba.uint32(numba.uint32(p32[j] & numba.uint32(0x7FFFFFFF)) + numba.uint32(0x00800000)))
+        magnitude = numba.uint32(p32[j] & numba.uint32(0x7FFFFFFF))
+        bits = numba.uint32(bits | numba.uint32(magnitude + numba.uint32(0x00808000)))
     return bits < numba.uint32(0x80000000)
 
 
@@ -304,7 +309,8 @@ def load_span(
     lo, hi, buf, row, x_addr, x_stride, x_code, res_addr, res_stride, res_code,
     rout_addr, rout_stride, rout_code, round_first, fused_one_dtype,
 ):
-    """Elements [lo, hi) of a row: s = x (+ residual) into buf, residual_out stored."""
+    """Elements [lo, hi) of a row: s = x (+ residual) into buf, residual_out stored where
+    ``rout_addr`` is not 0 (forward_rows may store it in the output stage instead)."""
     span = buf[lo:hi]
     m = hi - lo
     if res_addr == 0:
