@@ -65,7 +65,7 @@ from dsnorm.cpu.stages import (
 
 # This module's kernels compile those of the modules above into themselves: the digest of their
 # sources (see dsnorm.cpu.runtime) makes a change to any of them a change to this file.
-DEPENDENCIES_SHA256 = '8b20c188c0da2da93b3d9941d52bbb6ebb7d597ff09631364d50e666ae010d57'
+DEPENDENCIES_SHA256 = 'b345999a3f4eac76a5f48c38a96dbabab3939bd7dc73637f7b6a584eccc8aa66'
 
 # Software prefetch of the next row, interleaved with the store pass (see forward_rows): every
 # _PREFETCH_BYTES of output stored, the matching 64-byte lines of the next row's inputs are

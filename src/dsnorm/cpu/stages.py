@@ -201,6 +201,21 @@ def _scaled_bf16_loop(pb, offset, po, o_off, buf, wb, rstd, start, n, cast_hf, f
 
 
 @njit(inline="always")
+def _scaled_bf16_rows(pb, offset, po, o_off, buf, wb, rstd, start, n, cast_hf, finite, with_o):
+    """_scaled_bf16_loop with ``cast_hf`` and ``finite`` passed on as literals (``with_o`` is one
+    at each call): the branches here, outside the loops."""
+    if finite:
+        if cast_hf:
+            _scaled_bf16_loop(pb, offset, po, o_off, buf, wb, rstd, start, n, True, True, with_o)
+        else:
+            _scaled_bf16_loop(pb, offset, po, o_off, buf, wb, rstd, start, n, False, True, with_o)
+    elif cast_hf:
+        _scaled_bf16_loop(pb, offset, po, o_off, buf, wb, rstd, start, n, True, False, with_o)
+    else:
+        _scaled_bf16_loop(pb, offset, po, o_off, buf, wb, rstd, start, n, False, False, with_o)
+
+
+@njit(inline="always")
 def store_scaled_row(addr, offset, code, buf, w_addr, rstd, n, cast_hf, gain_exact, o_addr, o_off, finite):
     """row = (w * (buf * rstd)) rounded once to ``code``; Hugging Face order with ``cast_hf``
     (``gain_exact``: see :func:`gain_is_bf16`). bf16 only: residual_out (``o_addr``, 0 for none)
@@ -213,24 +228,9 @@ def store_scaled_row(addr, offset, code, buf, w_addr, rstd, n, cast_hf, gain_exa
         # The vector part where the target has AVX512-BF16 (only targets without it pass o_addr).
         start = scale_bf16_rows(addr + 2 * offset, buf, w_addr, rstd, n, cast_hf, gain_exact) if o_addr == 0 else 0
         if o_addr != 0:
-            if finite:
-                if cast_hf:
-                    _scaled_bf16_loop(pb, offset, po, o_off, buf, wb, rstd, start, n, True, True, True)
-                else:
-                    _scaled_bf16_loop(pb, offset, po, o_off, buf, wb, rstd, start, n, False, True, True)
-            elif cast_hf:
-                _scaled_bf16_loop(pb, offset, po, o_off, buf, wb, rstd, start, n, True, False, True)
-            else:
-                _scaled_bf16_loop(pb, offset, po, o_off, buf, wb, rstd, start, n, False, False, True)
-        elif finite:
-            if cast_hf:
-                _scaled_bf16_loop(pb, offset, po, o_off, buf, wb, rstd, start, n, True, True, False)
-            else:
-                _scaled_bf16_loop(pb, offset, po, o_off, buf, wb, rstd, start, n, False, True, False)
-        elif cast_hf:
-            _scaled_bf16_loop(pb, offset, po, o_off, buf, wb, rstd, start, n, True, False, False)
+            _scaled_bf16_rows(pb, offset, po, o_off, buf, wb, rstd, start, n, cast_hf, finite, True)
         else:
-            _scaled_bf16_loop(pb, offset, po, o_off, buf, wb, rstd, start, n, False, False, False)
+            _scaled_bf16_rows(pb, offset, po, o_off, buf, wb, rstd, start, n, cast_hf, finite, False)
     elif code == F16:
         wh = ptr_f32(w_addr)
         ph = ptr_u16(addr)
