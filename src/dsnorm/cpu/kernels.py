@@ -65,7 +65,7 @@ from dsnorm.cpu.stages import (
 
 # This module's kernels compile those of the modules above into themselves: the digest of their
 # sources (see dsnorm.cpu.runtime) makes a change to any of them a change to this file.
-DEPENDENCIES_SHA256 = 'b345999a3f4eac76a5f48c38a96dbabab3939bd7dc73637f7b6a584eccc8aa66'
+DEPENDENCIES_SHA256 = '375fb58476aae58da08d2ed967bfd9f23ab96a487e60f01aefeebd0ca10b4815'
 
 # Software prefetch of the next row, interleaved with the store pass (see forward_rows): every
 # _PREFETCH_BYTES of output stored, the matching 64-byte lines of the next row's inputs are
@@ -174,13 +174,13 @@ def forward_rows(
     direct = wide_bf16 and (
         res_addr == 0 or (fused_one_dtype and (r1 - r0) * n * x_size >= _DIRECT_FUSED_MIN_BYTES)
     )
-    span_rout = I0 if direct else rout_addr
     # Below that size, the fused bf16 stage fills the scratch row and sums each vector in the same
     # loop, from registers, instead of reading the step back from L1 for the sum.
     fused_step = wide_bf16 and fused_one_dtype and not direct
     # A gain whose values are all bf16 (a bf16 gain the lane widened: vLLM's) is not rounded again
-    # in the Hugging Face order: the same bits, one rounding less per element.
-    gain_exact = cast_hf and x_code == BF16 and w_size == 4 and gain_is_bf16(w_addr, n)
+    # in the Hugging Face order: the same bits, one rounding less per element (in the vector
+    # stages, which only AVX512-BF16 targets run: elsewhere the scan would be wasted).
+    gain_exact = BF16_CVT and cast_hf and x_code == BF16 and w_size == 4 and gain_is_bf16(w_addr, n)
     # Elsewhere the bit trick rounds, and a row whose sum is finite, under a gain that stays finite
     # in bf16 (gain_is_finite), holds no NaN to round: s is finite, rstd finite, and w * (s * rstd)
     # (or round(w) * round(s * rstd)) finite or infinite. Its roundings skip the NaN test
@@ -189,8 +189,7 @@ def forward_rows(
     trick_bf16 = not BF16_CVT and x_code == BF16 and w_size == 4
     gain_finite = trick_bf16 and gain_is_finite(w_addr, n)
     late_rout = trick_bf16 and fused_one_dtype and not round_first
-    if late_rout:
-        span_rout = I0
+    span_rout = I0 if direct or late_rout else rout_addr  # residual_out stored in the load stage
     stream = (
         direct and y_addr != x_addr and (res_addr == 0 or rout_addr != res_addr)
         and (r1 - r0) * n * x_size >= _STREAM_MIN_BYTES

@@ -225,11 +225,11 @@ def store_scaled_row(addr, offset, code, buf, w_addr, rstd, n, cast_hf, gain_exa
         wb = ptr_f32(w_addr)
         pb = ptr_u16(addr)
         po = ptr_u16(o_addr)
-        # The vector part where the target has AVX512-BF16 (only targets without it pass o_addr).
-        start = scale_bf16_rows(addr + 2 * offset, buf, w_addr, rstd, n, cast_hf, gain_exact) if o_addr == 0 else 0
-        if o_addr != 0:
-            _scaled_bf16_rows(pb, offset, po, o_off, buf, wb, rstd, start, n, cast_hf, finite, True)
+        if o_addr != 0:  # only targets without AVX512-BF16 pass it
+            _scaled_bf16_rows(pb, offset, po, o_off, buf, wb, rstd, 0, n, cast_hf, finite, True)
         else:
+            # The vector part where the target has AVX512-BF16, then the scalar loop.
+            start = scale_bf16_rows(addr + 2 * offset, buf, w_addr, rstd, n, cast_hf, gain_exact)
             _scaled_bf16_rows(pb, offset, po, o_off, buf, wb, rstd, start, n, cast_hf, finite, False)
     elif code == F16:
         wh = ptr_f32(w_addr)
