@@ -4,9 +4,9 @@ kernels that call it (plus the decode kernel, a serial one with fewer arguments)
 * One pass over memory: each row is widened once into a per-thread scratch row in the compute dtype
   (it stays in L1/L2), which the sum (:mod:`dsnorm.cpu.cascade`, torch's order) and the output
   stage then read; inputs are read once from memory, outputs written once. On CPUs with
-  AVX512-BF16, wide one-dtype bf16 rows in fp32 compute (not ``round_first``; fused ones from 2 MiB
-  a thread on) skip it but for a row's tail: the sum reads the inputs, and the output stage reads
-  them again from L2 (see forward_rows). Then, as torch computes it, ``mean = sum / n`` (true
+  AVX512-BF16, wide one-dtype bf16 rows in fp32 compute (not ``round_first``; fused ones in the
+  Hugging Face order from 2 MiB a thread on) skip it but for a row's tail: the sum reads the
+  inputs, and the output stage reads them again from L2 (see forward_rows). Then, as torch computes it, ``mean = sum / n`` (true
   division), ``rstd = 1 / sqrt(mean + eps)`` (torch's CPU rsqrt), ``xhat = s * rstd`` and only
   then ``weight * xhat``.
 * Calls by address: a parallel kernel calls its per-thread rows kernel through the rows kernel's
@@ -78,7 +78,8 @@ _PREFETCH_MIN_WIDTH = 1024
 _PREFETCH_MIN_BYTES = 8 << 20
 _PREFETCH_IN_PLACE_MIN_WIDTH = 4096
 _PREFETCH_IN_PLACE_MIN_BYTES = 2 << 20
-# A thread's share of x from which fused rows skip the scratch row (its L2; see forward_rows).
+# A thread's share of x from which fused rows in the Hugging Face order skip the scratch row (its
+# L2; see forward_rows).
 _DIRECT_FUSED_MIN_BYTES = 2 << 20
 # Outputs that do not overwrite the inputs, from a thread's share of x of this many bytes on, are
 # written with non-temporal stores (the path that reads no scratch row; see forward_rows): an
@@ -164,15 +165,17 @@ def forward_rows(
     # (intrinsics.BF16_CVT): the sum reads the inputs themselves, and the output stage reads them
     # again instead of an fp32 scratch row. The sum's order is the same; only a row's tail past its
     # whole level steps goes through the scratch. A plain row is read faster that way wherever it
-    # is; a fused one (two inputs to read again, the sum to round in the output stage) once a
-    # thread's rows come from beyond its L2, where the scratch row, sharing L1 with the streaming
-    # inputs, slowed their reads (docs/performance.md).
+    # is, and so is a fused one (two inputs to read again, the sum to round in the output stage) in
+    # DeepSeek's cast. In the Hugging Face order, whose output stage rounds once more, the second
+    # read cost more than the scratch row within a thread's L2; beyond it the scratch row, sharing
+    # L1 with the streaming inputs, slowed their reads (docs/performance.md).
     wide_bf16 = (
         BF16_CVT and x_code == BF16 and scratch.itemsize == 4 and not round_first and not narrow
         and lanes == lanes_max
     )
     direct = wide_bf16 and (
-        res_addr == 0 or (fused_one_dtype and (r1 - r0) * n * x_size >= _DIRECT_FUSED_MIN_BYTES)
+        res_addr == 0
+        or (fused_one_dtype and (not cast_hf or (r1 - r0) * n * x_size >= _DIRECT_FUSED_MIN_BYTES))
     )
     # Below that size, the fused bf16 stage fills the scratch row and sums each vector in the same
     # loop, from registers, instead of reading the step back from L1 for the sum.
