@@ -607,12 +607,13 @@ def _kernel_definitions(path):
 
 def _parallel_kernels_calling_kernels_by_name(paths):
     """``(parallel kernels, [(caller, callee, line)])``: each call from a ``parallel=True`` kernel
-    to a kernel of any of ``paths`` by name or attribute (``_dweight_columns``, a few lines of
-    code, excepted)."""
+    to a kernel of any of ``paths`` by name or attribute (``_dweight_columns`` and
+    ``thread_gain``, a few lines of code each, excepted: the cold compile of a threaded call is
+    the same with or without thread_gain's)."""
     kernels = {}
     for path in paths:
         kernels.update(_kernel_definitions(path))
-    names = set(kernels) - {"_dweight_columns"}
+    names = set(kernels) - {"_dweight_columns", "thread_gain"}
     parallel = [node for node, is_parallel in kernels.values() if is_parallel]
     found = []
     for node in parallel:

@@ -873,6 +873,20 @@ def test_inplace_refuses_a_weight_that_shares_memory_with_what_it_writes(rows, w
         assert bits_equal(x, want_y) and bits_equal(res, want_res)
 
 
+@pytest.mark.parametrize("rows", [2, 4096])  # the decode kernel and the thread pool's size
+@pytest.mark.parametrize("where", ["x", "residual"])
+def test_inplace_takes_a_narrow_weight_that_shares_memory_with_what_it_writes(rows, where):
+    # A bf16 gain is used widened, a copy, so sharing memory with x or the residual is no error:
+    # the values are those of the gain before the call. On the thread pool each thread widens its
+    # own copy when it starts, while another may be writing the first rows: such a gain has to take
+    # the general path, which widens it once before anything is written.
+    x, res = _rand((rows, 64), torch.bfloat16, 82), _rand((rows, 64), torch.bfloat16, 83)
+    w = (x if where == "x" else res)[0]  # the first row written, read by every thread
+    want_y, want_res = fused_add_rms_norm_ref(x.clone(), res.clone(), w.clone())
+    dsnorm.fused_add_rms_norm_(x, res, w)
+    assert bits_equal(x, want_y) and bits_equal(res, want_res)
+
+
 @pytest.mark.parametrize("rows", [4, 4096])  # the fast lane and the thread pool's size
 def test_inplace_refuses_two_storages_over_one_memory(rows):
     # torch.from_numpy of two views of one array gives two storages over the same bytes: the overlap

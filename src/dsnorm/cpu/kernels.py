@@ -6,9 +6,9 @@ kernels that call it (plus the decode kernel, a serial one with fewer arguments)
   stage then read; inputs are read once from memory, outputs written once. On CPUs with
   AVX512-BF16, wide one-dtype bf16 rows in fp32 compute (not ``round_first``; fused ones in the
   Hugging Face order from 2 MiB a thread on) skip it but for a row's tail: the sum reads the
-  inputs, and the output stage reads them again from L2 (see forward_rows). Then, as torch computes it, ``mean = sum / n`` (true
-  division), ``rstd = 1 / sqrt(mean + eps)`` (torch's CPU rsqrt), ``xhat = s * rstd`` and only
-  then ``weight * xhat``.
+  inputs, and the output stage reads them again from L2 (see forward_rows). Then, as torch
+  computes it, ``mean = sum / n`` (true division), ``rstd = 1 / sqrt(mean + eps)`` (torch's CPU
+  rsqrt), ``xhat = s * rstd`` and only then ``weight * xhat``.
 * Calls by address: a parallel kernel calls its per-thread rows kernel through the rows kernel's
   compiled address, handed to it as an argument, instead of by name. Called by name, numba links
   the callee's whole machine-code module into the parallel kernel's and LLVM optimises the linked
@@ -43,6 +43,7 @@ from dsnorm.cpu.intrinsics import (
     BF16,
     BF16_CVT,
     F32,
+    F64,
     by_address,
     code_size,
     prefetch_line,
@@ -297,9 +298,17 @@ _STACK_SCRATCH = 2048 + ACC_SLOTS
 
 
 @kernel()
-def widen_gain(n, code, src_addr, dst_addr):
-    # A bf16/fp16 gain widened, exactly, into an fp32 row (the lane's copy of a narrow weight).
-    load_row(src_addr, 0, code, ptr_f32(dst_addr), n, False)
+def thread_gain(n, w_addr, w_code, scratch_row):
+    # forward_rows' gain for one thread of a parallel launch: w_addr where the gain is in the
+    # compute dtype, else (a bf16/fp16 gain: vLLM keeps its gains in the model's dtype) the gain
+    # widened, exactly, into this thread's scratch row past the row and its accumulators. Each
+    # thread widening its own copy costs less than one row widened by the calling thread, which
+    # the other threads then had to fetch from its core's cache on every call.
+    if w_code == F32 or w_code == F64:
+        return w_addr
+    gain = scratch_row[n + ACC_SLOTS:2 * n + ACC_SLOTS]
+    load_row(w_addr, 0, w_code, gain, n, False)
+    return np.int64(gain.ctypes.data)
 
 
 @kernel()
@@ -331,17 +340,19 @@ def decode32(rows, n, code, x_addr, x_stride, res_addr, w_addr, w_code, y_addr, 
 @kernel(parallel=True)
 def forward_parallel(
     rows_kernel, rows, n, scratch,
-    x_addr, x_stride, x_code, res_addr, res_stride, res_code, w_addr, y_addr, y_stride,
+    x_addr, x_stride, x_code, res_addr, res_stride, res_code, w_addr, w_code, y_addr, y_stride,
     rout_addr, rout_stride, rout_code, rstd_addr, eps, cast_hf, round_first,
 ):
     # rows_kernel: forward_rows' address for this scratch dtype (see the module docstring).
+    # w_code: the gain's dtype, the compute dtype's or (fp32 compute) bf16/fp16; scratch rows of
+    # 2 * n + ACC_SLOTS values then (thread_gain).
     # One contiguous block of rows per thread; a row's bits never depend on the split.
     nthreads = scratch.shape[0]
     for t in prange(nthreads):
         _call_forward_rows(rows_kernel, (
             rows * t // nthreads, rows * (t + 1) // nthreads, n, scratch[t],
-            x_addr, x_stride, x_code, res_addr, res_stride, res_code, w_addr, y_addr, y_stride,
-            rout_addr, rout_stride, rout_code, rstd_addr, eps, cast_hf, round_first,
+            x_addr, x_stride, x_code, res_addr, res_stride, res_code, thread_gain(n, w_addr, w_code, scratch[t]),
+            y_addr, y_stride, rout_addr, rout_stride, rout_code, rstd_addr, eps, cast_hf, round_first,
         ))
 
 

@@ -13,14 +13,13 @@ about as much as the kernel.
 
 from __future__ import annotations
 
-import threading
 
 import numpy as np
 import torch
 
 from dsnorm.cpu.alloc import PRIME_MIN_BYTES, empty_output
 from dsnorm.cpu.intrinsics import BF16, F16, F32
-from dsnorm.cpu.kernels import decode32, widen_gain
+from dsnorm.cpu.kernels import decode32
 from dsnorm.cpu.launch import forward, run_parallel
 from dsnorm.cpu.runtime import SERIAL_NUMEL, run, threads_for
 from dsnorm.dispatch import PLAIN_TYPES as _PLAIN_TYPES
@@ -37,7 +36,6 @@ _DECODE_CODES = {torch.bfloat16: BF16, torch.float16: F16, torch.float32: F32}
 _NARROW_GAINS = {torch.bfloat16: BF16, torch.float16: F16}
 _F32 = torch.float32
 _decode_entry = None
-_widen_entry = None
 
 
 def _compile_decode():
@@ -48,36 +46,6 @@ def _compile_decode():
     run(decode32, None, 1, 1, F32, x.ctypes.data, 1, 0, w.ctypes.data, F32, x.ctypes.data, 0, 1e-6, False, False)
     _decode_entry = next(iter(decode32.overloads.values())).entry_point
     return _decode_entry
-
-
-def _compile_widen():
-    global _widen_entry
-    w = np.ones(1, dtype=np.float32)
-    run(widen_gain, None, 1, F32, w.ctypes.data, w.ctypes.data)
-    _widen_entry = next(iter(widen_gain.overloads.values())).entry_point
-    return _widen_entry
-
-
-# A narrow gain (vLLM keeps its gains in the model's dtype) is widened, exactly, into a row of this
-# thread's for a threaded call (the decode kernel widens its own into its scratch): what the
-# functions' general path does with weight.to(float32), without its allocation and dispatch. The
-# row is taken out of the thread's slot for the call and put back after the kernel: Python can run
-# between the two (a signal handler, the GC's finalizers), and another call it makes on this thread
-# then widens into a row of its own instead of overwriting this one.
-_gain_rows = threading.local()
-
-
-def _widened(n, w_addr, w_code):
-    """``(address, row)``: the gain at ``w_addr`` (bf16/fp16 ``w_code``) widened into this thread's
-    row, which the caller puts back in ``_gain_rows.row`` once the kernel has returned."""
-    row = getattr(_gain_rows, "row", None)
-    if row is None or row.numel() < n:
-        row = torch.empty(max(n, 8192), dtype=_F32)
-    else:
-        _gain_rows.row = None
-    address = row.data_ptr()
-    (_widen_entry or _compile_widen())(n, w_code, w_addr, address)
-    return address, row
 
 
 _is_grad_enabled = torch.is_grad_enabled
@@ -204,12 +172,11 @@ def lane(form, x, residual, weight, eps, cast, residual_rounding, residual_dtype
             launch(numel // n, n, code, x_addr, n, r_addr, w_addr, w_code, y.data_ptr(), residual_out.data_ptr(),
                    eps, cast_hf, round_first)
         return y, residual_out
-    # An fp32 weight is read while x and residual are written: apart from both (a narrow one is read
-    # only widened, into the decode kernel's scratch or the thread's row, before either is written).
-    w_end = w_addr + 4 * n
+    # The weight is read while x and residual are written (a narrow one too: each thread of a
+    # threaded call widens it when it starts, while another may be writing its rows): apart from both.
+    w_end = w_addr + (4 if w_code == F32 else 2) * n
     if not ((x_addr + nbytes <= r_addr or r_addr + nbytes <= x_addr)
-            and (w_code != F32 or ((w_end <= x_addr or x_addr + nbytes <= w_addr)
-                                        and (w_end <= r_addr or r_addr + nbytes <= w_addr)))):
+            and (w_end <= x_addr or x_addr + nbytes <= w_addr) and (w_end <= r_addr or r_addr + nbytes <= w_addr)):
         return None
     if not _inference_mode_enabled() and (x.is_inference() or residual.is_inference()):
         return None  # torch writes an inference tensor only in inference mode: the general path says so
@@ -226,13 +193,9 @@ def _lane_parallel(rows, n, code, x_addr, x_stride, res_addr, w_addr, w_code, y_
             rows, n, code, x_addr, x_stride, res_addr, w_addr, w_code, y_addr, rout_addr, eps, cast_hf, round_first
         )
         return
-    row = None
-    if w_code != F32:
-        w_addr, row = _widened(n, w_addr, w_code)
-    run_parallel(False, nthreads, rows, n, x_addr, x_stride, code, res_addr, n, code, w_addr, y_addr, n,
+    # A narrow gain is widened by each thread into its own scratch (kernels.thread_gain).
+    run_parallel(False, nthreads, rows, n, x_addr, x_stride, code, res_addr, n, code, w_addr, w_code, y_addr, n,
                  rout_addr, n, code, 0, eps, cast_hf, round_first)
-    if row is not None:
-        _gain_rows.row = row
 
 
 # The lane takes decode batches (64 rows of 1536 and more); prefill-sized calls take the general

@@ -183,7 +183,9 @@ _forward_ready = _FORWARD_PARALLEL.ready
 def run_parallel(x64: bool, nthreads: int, rows: int, n: int, *args) -> None:
     """``forward_parallel`` on ``nthreads`` threads with this thread's scratch (args: the
     kernel's arguments after ``scratch``)."""
-    scratch = _scratch(nthreads, n + ACC_SLOTS, np.float64 if x64 else np.float32)
+    # Room for a narrow gain widened past each thread's row (kernels.thread_gain): one width, so
+    # that calls with fp32 and bf16 gains keep one scratch between them.
+    scratch = _scratch(nthreads, 2 * n + ACC_SLOTS, np.float64 if x64 else np.float32)
     ready = _forward_ready.get(x64)
     if ready is None:
         _FORWARD_PARALLEL.launch(x64, rows, n, scratch, *args)
@@ -243,19 +245,17 @@ def forward(x, residual, weight, eps, cast_hf, round_first, y, residual_out, rst
         o_addr = residual_out.data_ptr()
         o_stride = n if residual_out.is_contiguous() else row_stride(residual_out)
         o_code = DTYPE_CODES[residual_out.dtype]
-    args = (
-        x.data_ptr(), n if x.is_contiguous() else row_stride(x), x_code,
-        r_addr, r_stride, r_code,
-        weight.data_ptr(), y.data_ptr(), n if y.is_contiguous() else row_stride(y),
-        o_addr, o_stride, o_code,
-        0 if rstd is None else rstd.data_ptr(), float(eps), cast_hf, round_first,
-    )
+    x_addr, x_stride = x.data_ptr(), n if x.is_contiguous() else row_stride(x)
+    w_addr, y_addr, y_stride = weight.data_ptr(), y.data_ptr(), n if y.is_contiguous() else row_stride(y)
+    rest = (o_addr, o_stride, o_code, 0 if rstd is None else rstd.data_ptr(), float(eps), cast_hf, round_first)
     rows = numel // n
     nthreads = 1 if numel < SERIAL_NUMEL else min(threads_for(numel), rows)
     if nthreads == 1:
-        (_serial_entry.get(x64) or _serial(x64))(rows, n, *args)
-    else:
-        run_parallel(x64, nthreads, rows, n, *args)
+        (_serial_entry.get(x64) or _serial(x64))(rows, n, x_addr, x_stride, x_code, r_addr, r_stride, r_code,
+                                                  w_addr, y_addr, y_stride, *rest)
+    else:  # the parallel kernel also takes the gain's dtype: the weight is in the compute dtype here
+        run_parallel(x64, nthreads, rows, n, x_addr, x_stride, x_code, r_addr, r_stride, r_code,
+                     w_addr, F64 if x64 else F32, y_addr, y_stride, *rest)
 
 
 def dweight_block_rows(rows: int) -> int:
