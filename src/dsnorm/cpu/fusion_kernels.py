@@ -35,7 +35,7 @@ from dsnorm.cpu.stages import load_row
 
 # This module's kernels compile those of the modules above into themselves: the digest of their
 # sources (see dsnorm.cpu.runtime) makes a change to any of them a change to this file.
-DEPENDENCIES_SHA256 = 'a3e630fc1a7d292b0dbbffaaa145f93cf86356797ba8f96a3e53dff9007ca8a2'
+DEPENDENCIES_SHA256 = '88eee358df37c3f72a3cce40dab622888de45a3ee14704825ce84699f31fa41c'
 
 _ptr_u8 = pointer_intrinsic(types.uint8, ir.IntType(8))
 _ptr_i64 = pointer_intrinsic(types.int64, ir.IntType(64))

@@ -299,9 +299,10 @@ _STACK_SCRATCH = 2048 + ACC_SLOTS
 
 @kernel()
 def thread_gain(n, w_addr, w_code, scratch_row):
-    # forward_rows' gain for one thread of a parallel launch: w_addr where the gain is in the
-    # compute dtype, else (a bf16/fp16 gain: vLLM keeps its gains in the model's dtype) the gain
-    # widened, exactly, into this thread's scratch row past the row and its accumulators. Each
+    # forward_rows' gain for one thread's rows (the decode kernel's, or one thread's of a parallel
+    # launch): w_addr where the gain is in the compute dtype, else (a bf16/fp16 gain: vLLM keeps
+    # its gains in the model's dtype) the gain widened, exactly, into this thread's scratch row past
+    # the row and its accumulators: what weight.to(float32) gives, without a call of its own. Each
     # thread widening its own copy costs less than one row widened by the calling thread, which
     # the other threads then had to fetch from its core's cache on every call.
     if w_code == F32 or w_code == F64:
@@ -317,23 +318,17 @@ def decode32(rows, n, code, x_addr, x_stride, res_addr, w_addr, w_code, y_addr, 
     # Rows of one dtype, all contiguous but x's: the serial kernel with a third of the arguments
     # (unboxing each one is a noticeable part of a decode norm). The scratch row of a narrow call
     # is on the stack: a heap array costs more (the allocation, its reference counts); wider rows
-    # keep the heap. A bf16/fp16 gain (w_code; vLLM keeps its gains in the model's dtype) is widened,
-    # exactly, into the scratch's tail first: what weight.to(float32) gives, without a call of its own.
+    # keep the heap. A bf16/fp16 gain (w_code) is widened into the scratch's tail first (thread_gain).
     width = n + ACC_SLOTS
     total = width if w_code == F32 else width + n
     if total <= _STACK_SCRATCH:
         scratch = numba.carray(stack_f32(total), total)
     else:
         scratch = np.empty(total, dtype=np.float32)
-    w_row = w_addr
-    if w_code != F32:
-        gain = scratch[width:]
-        load_row(w_addr, 0, w_code, gain, n, False)
-        w_row = np.int64(gain.ctypes.data)
     forward_rows(
         I0, rows, n, scratch[:width],
-        x_addr, x_stride, code, res_addr, n, code, w_row, y_addr, n, rout_addr, n, code, I0,
-        eps, cast_hf, round_first,
+        x_addr, x_stride, code, res_addr, n, code, thread_gain(n, w_addr, w_code, scratch), y_addr, n,
+        rout_addr, n, code, I0, eps, cast_hf, round_first,
     )
 
 

@@ -13,7 +13,6 @@ about as much as the kernel.
 
 from __future__ import annotations
 
-
 import numpy as np
 import torch
 
