@@ -680,7 +680,7 @@ def test_calls_by_address_refuse_what_would_misread_memory():
 
     from dsnorm.cpu import kernels, launch
     from dsnorm.cpu.cascade import ACC_SLOTS
-    from dsnorm.cpu.intrinsics import BF16
+    from dsnorm.cpu.intrinsics import BF16, F32
 
     @njit
     def returns_a_value(a):
@@ -694,5 +694,5 @@ def test_calls_by_address_refuse_what_would_misread_memory():
     y = torch.empty_like(x)
     with pytest.raises(TypeError, match="a float64 scratch for key False, whose rows kernel takes float32"):
         launch.Parallel(kernels.forward_parallel, kernels.forward_rows, kernels.FORWARD_ROWS_SIGNATURES, 3).launch(
-            False, 64, 1536, scratch64, x.data_ptr(), 1536, BF16, 0, 0, 0, torch.ones(1536).data_ptr(),
+            False, 64, 1536, scratch64, x.data_ptr(), 1536, BF16, 0, 0, 0, torch.ones(1536).data_ptr(), F32,
             y.data_ptr(), 1536, 0, 0, 0, 0, 1e-6, False, False)

@@ -183,14 +183,19 @@ _forward_ready = _FORWARD_PARALLEL.ready
 def run_parallel(x64: bool, nthreads: int, rows: int, n: int, *args) -> None:
     """``forward_parallel`` on ``nthreads`` threads with this thread's scratch (args: the
     kernel's arguments after ``scratch``)."""
-    # Room for a narrow gain widened past each thread's row (kernels.thread_gain): one width, so
-    # that calls with fp32 and bf16 gains keep one scratch between them.
-    scratch = _scratch(nthreads, 2 * n + ACC_SLOTS, np.float64 if x64 else np.float32)
+    scratch = _rows_scratch(nthreads, n, np.float64 if x64 else np.float32)
     ready = _forward_ready.get(x64)
     if ready is None:
         _FORWARD_PARALLEL.launch(x64, rows, n, scratch, *args)
     else:
         on_pool(ready[0], ready[1], rows, n, scratch, *args)
+
+
+def _rows_scratch(nthreads: int, n: int, dtype) -> np.ndarray:
+    """This Python thread's scratch for ``forward_rows`` on rows of ``n`` values: the row, its
+    accumulators and room for a narrow gain widened past them (kernels.thread_gain). One width for
+    every forward launcher, so that core and fused calls, fp32 and bf16 gains, keep one scratch."""
+    return _scratch(nthreads, 2 * n + ACC_SLOTS, dtype)
 
 
 def _scratch(nthreads: int, width: int, dtype, slot: str = "scratch") -> np.ndarray:
@@ -343,7 +348,7 @@ def rms_norm_fp8(x, residual, weight, eps, ue8m0, block, y, residual_out, q, sca
         return
     rows = numel // n
     nthreads = 1 if numel < SERIAL_NUMEL else max(1, min(threads_for(numel), rows))
-    scratch = _scratch(nthreads, n + ACC_SLOTS, np.float32)
+    scratch = _rows_scratch(nthreads, n, np.float32)
     row_bytes = -(-n * x.element_size() // 64) * 64  # whole cache lines
     ytmp = _row_scratch(nthreads, row_bytes)
     run_either(
@@ -376,7 +381,7 @@ def final_norm_lengths(h, residual, weight, eps, lengths, y, residual_out) -> No
         return
     numel = rows * n
     nthreads = 1 if numel < SERIAL_NUMEL else max(1, min(threads_for(numel), rows))
-    scratch = _scratch(nthreads, n + ACC_SLOTS, np.float64 if h.dtype == torch.float64 else np.float32)
+    scratch = _rows_scratch(nthreads, n, np.float64 if h.dtype == torch.float64 else np.float32)
     run_either(
         nthreads, final_serial, _FINAL_PARALLEL, h.dtype == torch.float64,
         rows, n, scratch, lengths.data_ptr(), h.element_size(),
@@ -409,7 +414,7 @@ def mla_latent_norms(q_latent, kv_a, q_weight, kv_weight, eps, q_out, kv_out) ->
     numel = rows * max(nq, nkv)
     nthreads = 1 if numel < SERIAL_NUMEL else max(1, min(threads_for(numel), rows))
     x64 = q_latent.dtype == torch.float64
-    scratch = _scratch(nthreads, max(nq, nkv) + ACC_SLOTS, np.float64 if x64 else np.float32)
+    scratch = _rows_scratch(nthreads, max(nq, nkv), np.float64 if x64 else np.float32)
     run_either(
         nthreads, mla_serial, _MLA_PARALLEL, x64,
         rows, scratch, DTYPE_CODES[q_latent.dtype], float(eps),
