@@ -35,7 +35,7 @@ from dsnorm.cpu.stages import load_row
 
 # This module's kernels compile those of the modules above into themselves: the digest of their
 # sources (see dsnorm.cpu.runtime) makes a change to any of them a change to this file.
-DEPENDENCIES_SHA256 = '88eee358df37c3f72a3cce40dab622888de45a3ee14704825ce84699f31fa41c'
+DEPENDENCIES_SHA256 = '523e46d027dacca7cb0d17b88e8138b5f4727533d34928f08e95a20bc9bbe1b3'
 
 _ptr_u8 = pointer_intrinsic(types.uint8, ir.IntType(8))
 _ptr_i64 = pointer_intrinsic(types.int64, ir.IntType(64))

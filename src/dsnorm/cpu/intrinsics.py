@@ -385,7 +385,8 @@ def emit_add_bf16(builder, px, pr, po, pbuf, j, round_first=None):
 
 @intrinsic
 def scale_bf16_rows(typingctx, y_addr, buf, w_addr, rstd, n, cast_hf, gain_exact):
-    """The vector part of the bf16 output stage: for j below ``n`` rounded down to 16, ``y[j] =
+    """The vector part of the bf16 output stage: for j below ``n`` rounded down to 16 (to 32 with
+    ``cast_hf``: :func:`_emit_store_y_hf`), ``y[j] =
     f32_to_bf16(w[j] * (buf[j] * rstd))``, or with ``cast_hf`` ``f32_to_bf16(round(w[j]) *
     round(buf[j] * rstd))`` (round: to bf16 and back; ``gain_exact``: w's values are all bf16, not
     rounded again); y a bf16 row, w an fp32 one. Returns where the scalar loop must start: 0
@@ -404,10 +405,16 @@ def scale_bf16_rows(typingctx, y_addr, buf, w_addr, rstd, n, cast_hf, gain_exact
         scale = _splat_arg(builder, rstd_arg)
 
         def body(j, cast):
-            s = builder.load(vector_at(builder, data, _V16F, j), align=4)
-            _emit_store_y(builder, s, scale, pw, py, j, cast)
+            if cast == "deepseek":
+                s = builder.load(vector_at(builder, data, _V16F, j), align=4)
+                _emit_store_y(builder, s, scale, pw, py, j, cast)
+                return
+            pair = tuple(builder.load(vector_at(builder, data, _V16F, builder.add(j, ir.Constant(j.type, k))),
+                                      align=4) for k in (0, 16))
+            _emit_store_y_hf(builder, pair, scale, pw, py, j, cast)
 
-        return _bf16_loops(builder, n_arg, [_cast_choice(builder, cast_hf_arg, gain_exact_arg)], body)
+        return _bf16_loops(builder, n_arg, [_cast_choice(builder, cast_hf_arg, gain_exact_arg)], body,
+                           lambda cast: 16 if cast == "deepseek" else 32)
 
     return sig, codegen
 
@@ -424,6 +431,32 @@ def _emit_store_y(builder, s, scale, pw, py, j, cast, stream=False):
     w = builder.load(vector_at(builder, pw, _V16F, j), align=4)
     y = rounded_bf16(builder, lambda rnd: [rnd(_y_value(builder, rnd, s, scale, w, cast))])[0]
     _store_bits(builder, y, vector_at(builder, py, _V16H, j), stream)
+
+
+def _emit_store_y_hf(builder, pair, scale, pw, py, j, cast, stream=False):
+    """y[j:j+32] in the Hugging Face forms (see :func:`_emit_store_y`) from ``pair``, the scaled
+    row's 32 values as two <16 x float> of consecutive elements. The roundings go a pair at a time:
+    one VCVTNE2PS2BF16 rounds 32 values of x̂, and its <32 x i16> read as 16 dwords widens them
+    again with one shift (the even elements) and one mask (the odd ones), where one vector at a time
+    takes a conversion and a widening shuffle each; y comes out as evens and odds, so the gain is
+    read the same way and y put back in order as it is stored (:func:`_interleave`)."""
+    def halves(bits):
+        words = builder.bitcast(bits, _V16I)
+        return (builder.bitcast(builder.shl(words, _splat(_V16I, 16)), _V16F),
+                builder.bitcast(builder.and_(words, _splat(_V16I, 0xFFFF0000)), _V16F))
+
+    def compute(rnd):
+        xhat = halves(rnd(tuple(builder.fmul(s, scale) for s in pair)))
+        if cast == "hf":
+            lo = builder.load(vector_at(builder, pw, _V16F, j), align=4)
+            hi = builder.load(vector_at(builder, pw, _V16F, builder.add(j, ir.Constant(j.type, 16))), align=4)
+            gains = halves(rnd((lo, hi)))
+        else:
+            gains = _deinterleave(builder, pw, j)
+        return [rnd(tuple(builder.fmul(w, q) for w, q in zip(gains, xhat)))]
+
+    y = rounded_bf16(builder, compute)[0]
+    _store_bits(builder, _interleave(builder, y), vector_at(builder, py, _V32H, j), stream)
 
 
 def _y_value(builder, rnd, s, scale, w, cast):
@@ -495,8 +528,9 @@ def store_fence(typingctx):
 @intrinsic
 def scale_sum_bf16_rows(typingctx, x_addr, r_addr, o_addr, y_addr, w_addr, rstd, n, cast_hf, gain_exact, stream):
     """The vector part of the output stage that reads no scratch row: for j below ``n`` rounded down
-    to 32 (to 16 without r), ``s = x[j] + r[j]`` widened (``r_addr`` 0: ``s = x[j]``), ``o[j] =
-    f32_to_bf16(s)`` (with ``r``) and ``y[j]`` from ``s`` as in :func:`scale_bf16_rows`; x, r, o, y
+    to 32 (to 16 without r in DeepSeek's cast), ``s = x[j] + r[j]`` widened (``r_addr`` 0: ``s =
+    x[j]``), ``o[j] = f32_to_bf16(s)`` (with ``r``) and ``y[j]`` from ``s`` as in
+    :func:`scale_bf16_rows`; x, r, o, y
     bf16 rows (o may be r, y may be x: each vector is read before it is written), w an fp32 one
     (``gain_exact`` as there).
     ``stream``: o and y are written with non-temporal stores where both are aligned to the vectors
@@ -515,8 +549,12 @@ def scale_sum_bf16_rows(typingctx, x_addr, r_addr, o_addr, y_addr, w_addr, rstd,
         scale = _splat_arg(builder, rstd_arg)
 
         def body(j, fused, cast, stream):
-            if not fused:
+            if not fused and cast == "deepseek":
                 _emit_store_y(builder, load_bf16(builder, px, j), scale, pw, py, j, cast, stream)
+                return
+            if not fused:
+                pair = tuple(load_bf16(builder, px, builder.add(j, ir.Constant(j.type, k))) for k in (0, 16))
+                _emit_store_y_hf(builder, pair, scale, pw, py, j, cast, stream)
                 return
             # Fused: 32 elements as their even and odd halves (load_bf16_pair; the gain's shuffled
             # to match), interleaved again as they are stored (fewer vector operations than two
@@ -533,13 +571,14 @@ def scale_sum_bf16_rows(typingctx, x_addr, r_addr, o_addr, y_addr, w_addr, rstd,
         zero = ir.Constant(ra.type, 0)
         fused = builder.icmp_unsigned("!=", ra, zero)
         # A vector's non-temporal store needs the vector's alignment (unaligned, LLVM splits it
-        # into 8-byte MOVNTSD): 64 bytes for the fused rows' 32 values, 32 for the plain rows' 16;
-        # o is written only with r.
+        # into 8-byte MOVNTSD): 64 bytes for 32 values (fused rows, the Hugging Face forms), 32 for
+        # the plain rows' 16 in DeepSeek's cast; o is written only with r.
         outputs = builder.or_(ya, builder.select(fused, oa, zero))
-        mask = builder.select(fused, ir.Constant(ra.type, 63), ir.Constant(ra.type, 31))
+        wide = builder.or_(fused, cast_hf_arg)
+        mask = builder.select(wide, ir.Constant(ra.type, 63), ir.Constant(ra.type, 31))
         aligned = builder.icmp_unsigned("==", builder.and_(outputs, mask), zero)
         cast = _cast_choice(builder, cast_hf_arg, gain_exact_arg)
         return _bf16_loops(builder, n_arg, [fused, cast, builder.and_(stream_arg, aligned)], body,
-                           lambda fused, *_: 32 if fused else 16)
+                           lambda fused, cast, _: 32 if fused or cast != "deepseek" else 16)
 
     return sig, codegen

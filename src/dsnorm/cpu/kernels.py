@@ -66,7 +66,7 @@ from dsnorm.cpu.stages import (
 
 # This module's kernels compile those of the modules above into themselves: the digest of their
 # sources (see dsnorm.cpu.runtime) makes a change to any of them a change to this file.
-DEPENDENCIES_SHA256 = '375fb58476aae58da08d2ed967bfd9f23ab96a487e60f01aefeebd0ca10b4815'
+DEPENDENCIES_SHA256 = '13f68b6c55254725bdf8077564e9dfddd9b4b5a1f32ec16732f81d1af7bca7e0'
 
 # Software prefetch of the next row, interleaved with the store pass (see forward_rows): every
 # _PREFETCH_BYTES of output stored, the matching 64-byte lines of the next row's inputs are
