@@ -35,7 +35,7 @@ from dsnorm.cpu.stages import load_row
 
 # This module's kernels compile those of the modules above into themselves: the digest of their
 # sources (see dsnorm.cpu.runtime) makes a change to any of them a change to this file.
-DEPENDENCIES_SHA256 = '523e46d027dacca7cb0d17b88e8138b5f4727533d34928f08e95a20bc9bbe1b3'
+DEPENDENCIES_SHA256 = 'c5b48d7bb53bb9405b2972f80079adc9ecf0a8933204d9fbea672d8c2b4a9198'
 
 _ptr_u8 = pointer_intrinsic(types.uint8, ir.IntType(8))
 _ptr_i64 = pointer_intrinsic(types.int64, ir.IntType(64))

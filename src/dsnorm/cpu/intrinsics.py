@@ -384,19 +384,18 @@ def emit_add_bf16(builder, px, pr, po, pbuf, j, round_first=None):
 
 
 @intrinsic
-def scale_bf16_rows(typingctx, y_addr, buf, w_addr, rstd, n, cast_hf, gain_exact):
-    """The vector part of the bf16 output stage: for j below ``n`` rounded down to 16 (to 32 with
-    ``cast_hf``: :func:`_emit_store_y_hf`), ``y[j] =
-    f32_to_bf16(w[j] * (buf[j] * rstd))``, or with ``cast_hf`` ``f32_to_bf16(round(w[j]) *
-    round(buf[j] * rstd))`` (round: to bf16 and back; ``gain_exact``: w's values are all bf16, not
-    rounded again); y a bf16 row, w an fp32 one. Returns where the scalar loop must start: 0
-    without AVX512-BF16 or for a float64 ``buf``."""
+def scale_bf16_rows(typingctx, y_addr, buf, w_addr, rstd, n, cast_hf):
+    """The vector part of the bf16 output stage: for j below ``n`` rounded down to 16, ``y[j] =
+    f32_to_bf16(w[j] * (buf[j] * rstd))``, w an fp32 row; or with ``cast_hf``, for j below ``n``
+    rounded down to 32, ``f32_to_bf16(w[j] * round(buf[j] * rstd))`` (round: to bf16 and back), w
+    the gain prepared by :func:`hf_gain_row`. y a bf16 row. Returns where the scalar loop must
+    start: 0 without AVX512-BF16 or for a float64 ``buf``."""
     if not isinstance(buf, types.Array):
         return None
-    sig = types.intp(types.int64, buf, types.int64, rstd, types.intp, types.boolean, types.boolean)
+    sig = types.intp(types.int64, buf, types.int64, rstd, types.intp, types.boolean)
 
     def codegen(context, builder, signature, args):
-        ya, buf_arg, wa, rstd_arg, n_arg, cast_hf_arg, gain_exact_arg = args
+        ya, buf_arg, wa, rstd_arg, n_arg, cast_hf_arg = args
         if not (BF16_CVT and _fp32_row(signature.args[1]) and signature.args[3] == types.float32):
             return ir.Constant(n_arg.type, 0)
         data = context.make_array(signature.args[1])(context, builder, buf_arg).data
@@ -407,13 +406,13 @@ def scale_bf16_rows(typingctx, y_addr, buf, w_addr, rstd, n, cast_hf, gain_exact
         def body(j, cast):
             if cast == "deepseek":
                 s = builder.load(vector_at(builder, data, _V16F, j), align=4)
-                _emit_store_y(builder, s, scale, pw, py, j, cast)
+                _emit_store_y(builder, s, scale, pw, py, j)
                 return
             pair = tuple(builder.load(vector_at(builder, data, _V16F, builder.add(j, ir.Constant(j.type, k))),
                                       align=4) for k in (0, 16))
-            _emit_store_y_hf(builder, pair, scale, pw, py, j, cast)
+            _emit_store_y_hf(builder, pair, scale, pw, py, j)
 
-        return _bf16_loops(builder, n_arg, [_cast_choice(builder, cast_hf_arg, gain_exact_arg)], body,
+        return _bf16_loops(builder, n_arg, [_cast_choice(cast_hf_arg)], body,
                            lambda cast: 16 if cast == "deepseek" else 32)
 
     return sig, codegen
@@ -425,49 +424,79 @@ def _splat_arg(builder, value):
     return builder.shuffle_vector(one, one, ir.Constant(_V16I, [0] * 16))
 
 
-def _emit_store_y(builder, s, scale, pw, py, j, cast, stream=False):
-    """y[j:j+16] = f32_to_bf16(w * (s * scale)), or for the Hugging Face forms of round(w) *
-    round(s * scale) (round: to bf16 and back; ``cast`` from :func:`_cast_choice`)."""
+def _emit_store_y(builder, s, scale, pw, py, j, *, stream=False):
+    """y[j:j+16] = f32_to_bf16(w * (s * scale)), DeepSeek's cast."""
     w = builder.load(vector_at(builder, pw, _V16F, j), align=4)
-    y = rounded_bf16(builder, lambda rnd: [rnd(_y_value(builder, rnd, s, scale, w, cast))])[0]
+    y = rounded_bf16(builder, lambda rnd: [rnd(_y_value(builder, rnd, s, scale, w, "deepseek"))])[0]
     _store_bits(builder, y, vector_at(builder, py, _V16H, j), stream)
 
 
-def _emit_store_y_hf(builder, pair, scale, pw, py, j, cast, stream=False):
-    """y[j:j+32] in the Hugging Face forms (see :func:`_emit_store_y`) from ``pair``, the scaled
-    row's 32 values as two <16 x float> of consecutive elements. The roundings go a pair at a time:
-    one VCVTNE2PS2BF16 rounds 32 values of x̂, and its <32 x i16> read as 16 dwords widens them
-    again with one shift (the even elements) and one mask (the odd ones), where one vector at a time
-    takes a conversion and a widening shuffle each; y comes out as evens and odds, so the gain is
-    read the same way and y put back in order as it is stored (:func:`_interleave`)."""
-    def halves(bits):
-        words = builder.bitcast(bits, _V16I)
-        return (builder.bitcast(builder.shl(words, _splat(_V16I, 16)), _V16F),
-                builder.bitcast(builder.and_(words, _splat(_V16I, 0xFFFF0000)), _V16F))
+def _widen_pair(builder, bits):
+    """A <32 x i16> of bf16 bits widened, exactly, to two <16 x float>: its even elements and its
+    odd ones (read as 16 dwords: one shift, one mask)."""
+    words = builder.bitcast(bits, _V16I)
+    return (builder.bitcast(builder.shl(words, _splat(_V16I, 16)), _V16F),
+            builder.bitcast(builder.and_(words, _splat(_V16I, 0xFFFF0000)), _V16F))
 
+
+def _gain_halves(builder, pw, j):
+    """The Hugging Face gain's 32 values from element ``j`` (laid out by :func:`hf_gain_row`) as
+    (evens, odds): two plain loads."""
+    return tuple(builder.load(vector_at(builder, pw, _V16F, builder.add(j, ir.Constant(j.type, k))), align=4)
+                 for k in (0, 16))
+
+
+def _emit_store_y_hf(builder, pair, scale, pw, py, j, *, stream=False):
+    """y[j:j+32] in the Hugging Face order, ``f32_to_bf16(w * round(s * scale))``, from ``pair``,
+    the row's 32 values as two <16 x float> of consecutive elements, and the gain prepared by
+    :func:`hf_gain_row`. One VCVTNE2PS2BF16 rounds the 32 values of x̂, and :func:`_widen_pair`
+    widens them again as evens and odds (a conversion and a widening shuffle per 16 otherwise); the
+    gain is laid out the same way, and y put back in order as it is stored (:func:`_interleave`)."""
     def compute(rnd):
-        xhat = halves(rnd(tuple(builder.fmul(s, scale) for s in pair)))
-        if cast == "hf":
-            lo = builder.load(vector_at(builder, pw, _V16F, j), align=4)
-            hi = builder.load(vector_at(builder, pw, _V16F, builder.add(j, ir.Constant(j.type, 16))), align=4)
-            gains = halves(rnd((lo, hi)))
-        else:
-            gains = _deinterleave(builder, pw, j)
-        return [rnd(tuple(builder.fmul(w, q) for w, q in zip(gains, xhat)))]
+        xhat = _widen_pair(builder, rnd(tuple(builder.fmul(s, scale) for s in pair)))
+        return [rnd(tuple(builder.fmul(w, q) for w, q in zip(_gain_halves(builder, pw, j), xhat)))]
 
     y = rounded_bf16(builder, compute)[0]
     _store_bits(builder, _interleave(builder, y), vector_at(builder, py, _V32H, j), stream)
 
 
 def _y_value(builder, rnd, s, scale, w, cast):
-    """y before its rounding (see :func:`_emit_store_y`), the earlier roundings by ``rnd`` (see
+    """y before its rounding: ``w * (s * scale)``, in the Hugging Face order (``cast`` "hf", w the
+    gain rounded by :func:`hf_gain_row`) ``w * round(s * scale)``, x̂ rounded by ``rnd`` (see
     :func:`rounded_bf16`)."""
     xhat = builder.fmul(s, scale)
     if cast == "hf":
-        w = widen_bf16(builder, rnd(w))
-    if cast != "deepseek":
         xhat = widen_bf16(builder, rnd(xhat))
     return builder.fmul(w, xhat)
+
+
+@intrinsic
+def hf_gain_row(typingctx, dst, w_addr, n):
+    """The vector part of the Hugging Face order's gain: ``dst`` (an fp32 row of ``n``) = the fp32
+    gain at ``w_addr`` rounded to bf16 (f32_to_bf16's bits, widened again), each whole 32 values
+    laid out as their 16 even elements, then their 16 odd ones, the order in which the bf16 output
+    stages read it. Returns where the caller's scalar loop must start (the tail, in element order):
+    0 without AVX512-BF16 or for a float64 ``dst``."""
+    if not isinstance(dst, types.Array):
+        return None
+    sig = types.intp(dst, types.int64, types.intp)
+
+    def codegen(context, builder, signature, args):
+        dst_arg, wa, n_arg = args
+        if not (BF16_CVT and _fp32_row(signature.args[0])):
+            return ir.Constant(n_arg.type, 0)
+        pd = context.make_array(signature.args[0])(context, builder, dst_arg).data
+        pw = builder.inttoptr(wa, ir.FloatType().as_pointer())
+
+        def body(j):
+            natural = _gain_halves(builder, pw, j)  # two vectors of consecutive values here
+            bits = rounded_bf16(builder, lambda rnd: [rnd(natural)])[0]
+            for k, half in zip((0, 16), _widen_pair(builder, bits)):
+                builder.store(half, vector_at(builder, pd, _V16F, builder.add(j, ir.Constant(j.type, k))), align=4)
+
+        return _bf16_row_loop(builder, n_arg, body, 32)
+
+    return sig, codegen
 
 
 def _bf16_loops(builder, n, choices, body, width=16, values=()):
@@ -497,10 +526,10 @@ def _bf16_loops(builder, n, choices, body, width=16, values=()):
     return end
 
 
-def _cast_choice(builder, cast_hf, gain_exact):
-    """The output stage's three forms: "deepseek", "hf", and "hf" with a gain whose values are all
-    bf16 already ("hf_exact": rounding it again would change nothing)."""
-    return [(builder.and_(cast_hf, gain_exact), "hf_exact"), (cast_hf, "hf"), (None, "deepseek")]
+def _cast_choice(cast_hf):
+    """The output stage's two forms: "hf" (the Hugging Face order, with the gain prepared by
+    :func:`hf_gain_row`) and "deepseek"."""
+    return [(cast_hf, "hf"), (None, "deepseek")]
 
 
 def _store_bits(builder, value, ptr, stream=False):
@@ -526,22 +555,21 @@ def store_fence(typingctx):
 
 
 @intrinsic
-def scale_sum_bf16_rows(typingctx, x_addr, r_addr, o_addr, y_addr, w_addr, rstd, n, cast_hf, gain_exact, stream):
+def scale_sum_bf16_rows(typingctx, x_addr, r_addr, o_addr, y_addr, w_addr, rstd, n, cast_hf, stream):
     """The vector part of the output stage that reads no scratch row: for j below ``n`` rounded down
     to 32 (to 16 without r in DeepSeek's cast), ``s = x[j] + r[j]`` widened (``r_addr`` 0: ``s =
     x[j]``), ``o[j] = f32_to_bf16(s)`` (with ``r``) and ``y[j]`` from ``s`` as in
-    :func:`scale_bf16_rows`; x, r, o, y
-    bf16 rows (o may be r, y may be x: each vector is read before it is written), w an fp32 one
-    (``gain_exact`` as there).
+    :func:`scale_bf16_rows` (w as there); x, r, o, y bf16 rows (o may be r, y may be x: each
+    vector is read before it is written).
     ``stream``: o and y are written with non-temporal stores where both are aligned to the vectors
     stored (checked here; the caller fences). Returns where the scalar loop must start: 0 without
     AVX512-BF16 or for a float64 ``rstd`` (fp64 compute)."""
     if not isinstance(rstd, types.Float):
         return None
-    sig = types.intp(*(types.int64,) * 5, rstd, types.intp, *(types.boolean,) * 3)
+    sig = types.intp(*(types.int64,) * 5, rstd, types.intp, *(types.boolean,) * 2)
 
     def codegen(context, builder, signature, args):
-        xa, ra, oa, ya, wa, rstd_arg, n_arg, cast_hf_arg, gain_exact_arg, stream_arg = args
+        xa, ra, oa, ya, wa, rstd_arg, n_arg, cast_hf_arg, stream_arg = args
         if not (BF16_CVT and signature.args[5] == types.float32):
             return ir.Constant(n_arg.type, 0)
         px, pr, po, py = (builder.inttoptr(a, _I16.as_pointer()) for a in (xa, ra, oa, ya))
@@ -550,19 +578,20 @@ def scale_sum_bf16_rows(typingctx, x_addr, r_addr, o_addr, y_addr, w_addr, rstd,
 
         def body(j, fused, cast, stream):
             if not fused and cast == "deepseek":
-                _emit_store_y(builder, load_bf16(builder, px, j), scale, pw, py, j, cast, stream)
+                _emit_store_y(builder, load_bf16(builder, px, j), scale, pw, py, j, stream=stream)
                 return
             if not fused:
                 pair = tuple(load_bf16(builder, px, builder.add(j, ir.Constant(j.type, k))) for k in (0, 16))
-                _emit_store_y_hf(builder, pair, scale, pw, py, j, cast, stream)
+                _emit_store_y_hf(builder, pair, scale, pw, py, j, stream=stream)
                 return
-            # Fused: 32 elements as their even and odd halves (load_bf16_pair; the gain's shuffled
-            # to match), interleaved again as they are stored (fewer vector operations than two
-            # vectors of consecutive elements; not for one input, where the gain's shuffles cost
-            # more than the widening they save): every load before any store, as o may be r and y
-            # may be x; the sums' roundings and y's in one group.
+            # Fused: 32 elements as their even and odd halves (load_bf16_pair; DeepSeek's gain
+            # shuffled to match, the Hugging Face one laid out so already), interleaved again as
+            # they are stored (fewer vector operations than two vectors of consecutive elements;
+            # not for one input, where the gain's shuffles cost more than the widening they save):
+            # every load before any store, as o may be r and y may be x; the sums' roundings and
+            # y's in one group.
             sums = [builder.fadd(a, b) for a, b in zip(load_bf16_pair(builder, px, j), load_bf16_pair(builder, pr, j))]
-            gains = _deinterleave(builder, pw, j)
+            gains = _gain_halves(builder, pw, j) if cast == "hf" else _deinterleave(builder, pw, j)
             o, y = rounded_bf16(builder, lambda rnd: [rnd(tuple(sums)), rnd(tuple(
                 _y_value(builder, rnd, s, scale, w, cast) for s, w in zip(sums, gains)))])
             _store_bits(builder, _interleave(builder, o), vector_at(builder, po, _V32H, j), stream)
@@ -577,7 +606,7 @@ def scale_sum_bf16_rows(typingctx, x_addr, r_addr, o_addr, y_addr, w_addr, rstd,
         wide = builder.or_(fused, cast_hf_arg)
         mask = builder.select(wide, ir.Constant(ra.type, 63), ir.Constant(ra.type, 31))
         aligned = builder.icmp_unsigned("==", builder.and_(outputs, mask), zero)
-        cast = _cast_choice(builder, cast_hf_arg, gain_exact_arg)
+        cast = _cast_choice(cast_hf_arg)
         return _bf16_loops(builder, n_arg, [fused, cast, builder.and_(stream_arg, aligned)], body,
                            lambda fused, cast, _: 32 if fused or cast != "deepseek" else 16)
 

@@ -54,7 +54,7 @@ from dsnorm.cpu.intrinsics import (
 )
 from dsnorm.cpu.runtime import kernel
 from dsnorm.cpu.stages import (
-    gain_is_bf16,
+    hf_gain,
     gain_is_finite,
     load_row,
     load_span,
@@ -66,7 +66,7 @@ from dsnorm.cpu.stages import (
 
 # This module's kernels compile those of the modules above into themselves: the digest of their
 # sources (see dsnorm.cpu.runtime) makes a change to any of them a change to this file.
-DEPENDENCIES_SHA256 = '13f68b6c55254725bdf8077564e9dfddd9b4b5a1f32ec16732f81d1af7bca7e0'
+DEPENDENCIES_SHA256 = 'bbe39d44727595ebe2edc7eaf98a29f568d6063738c84631811f524c6f3fcbf7'
 
 # Software prefetch of the next row, interleaved with the store pass (see forward_rows): every
 # _PREFETCH_BYTES of output stored, the matching 64-byte lines of the next row's inputs are
@@ -181,10 +181,13 @@ def forward_rows(
     # Below that size, the fused bf16 stage fills the scratch row and sums each vector in the same
     # loop, from registers, instead of reading the step back from L1 for the sum.
     fused_step = wide_bf16 and fused_one_dtype and not direct
-    # A gain whose values are all bf16 (a bf16 gain the lane widened: vLLM's) is not rounded again
-    # in the Hugging Face order: the same bits, one rounding less per element (in the vector
-    # stages, which only AVX512-BF16 targets run: elsewhere the scan would be wasted).
-    gain_exact = BF16_CVT and cast_hf and x_code == BF16 and w_size == 4 and gain_is_bf16(w_addr, n)
+    # The Hugging Face order's bf16 output stages on AVX512-BF16 targets read the gain rounded to
+    # bf16 once for the call, not per element, and laid out by 32s as they read it (hf_gain). The
+    # row loop reads its address, so that numba, which frees an array after its last use, keeps it.
+    hf_row = BF16_CVT and cast_hf and x_code == BF16 and w_size == 4
+    gain_row = np.empty(n, dtype=scratch.dtype) if hf_row else scratch[:0]
+    if hf_row:
+        hf_gain(gain_row, w_addr, n)
     # Elsewhere the bit trick rounds, and a row whose sum is finite, under a gain that stays finite
     # in bf16 (gain_is_finite), holds no NaN to round: s is finite, rstd finite, and w * (s * rstd)
     # (or round(w) * round(s * rstd)) finite or infinite. Its roundings skip the NaN test
@@ -238,6 +241,7 @@ def forward_rows(
         # While this row is scaled and stored (no DRAM reads of its own), fetch the next one: without
         # it the memory system idles for that pass and the two threads only overlap it by chance.
         # Without prefetching the row is stored in one chunk: one call site, as above.
+        w_row = np.int64(gain_row.ctypes.data) if hf_row else w_addr
         prefetching = prefetch and row + 1 < r1
         next_x = x_addr + (row + 1) * x_stride * x_size
         next_res = res_addr + (row + 1) * res_stride * res_size
@@ -253,10 +257,10 @@ def forward_rows(
             if direct:
                 store_sum_scaled_row(x_addr, row * x_stride + lo, res_addr, row * res_stride + lo,
                                      rout_addr, row * rout_stride + lo, y_addr, row * y_stride + lo,
-                                     w_addr + w_size * lo, rstd, hi - lo, cast_hf, gain_exact, stream)
+                                     w_row + w_size * lo, rstd, hi - lo, cast_hf, stream)
             else:
-                store_scaled_row(y_addr, row * y_stride + lo, x_code, buf[lo:hi], w_addr + w_size * lo, rstd,
-                                 hi - lo, cast_hf, gain_exact, rout_addr if late_rout else I0,
+                store_scaled_row(y_addr, row * y_stride + lo, x_code, buf[lo:hi], w_row + w_size * lo, rstd,
+                                 hi - lo, cast_hf, rout_addr if late_rout else I0,
                                  row * rout_stride + lo, finite)
             lo = hi
     if stream:

@@ -20,6 +20,7 @@ from dsnorm.cpu.intrinsics import (
     f32_to_bf16,
     f32_to_bf16_finite,
     f32_to_f16_bits,
+    hf_gain_row,
     ptr_f32,
     ptr_f64,
     ptr_u16,
@@ -216,9 +217,9 @@ def _scaled_bf16_rows(pb, offset, po, o_off, buf, wb, rstd, start, n, cast_hf, f
 
 
 @njit(inline="always")
-def store_scaled_row(addr, offset, code, buf, w_addr, rstd, n, cast_hf, gain_exact, o_addr, o_off, finite):
-    """row = (w * (buf * rstd)) rounded once to ``code``; Hugging Face order with ``cast_hf``
-    (``gain_exact``: see :func:`gain_is_bf16`). bf16 only: residual_out (``o_addr``, 0 for none)
+def store_scaled_row(addr, offset, code, buf, w_addr, rstd, n, cast_hf, o_addr, o_off, finite):
+    """row = (w * (buf * rstd)) rounded once to ``code``; Hugging Face order with ``cast_hf`` (bf16
+    rows on AVX512-BF16 targets: w from :func:`hf_gain`). bf16 only: residual_out (``o_addr``, 0 for none)
     = buf rounded, and ``finite``: the row's sum is finite and the gain finite in bf16, so no
     value rounded is NaN (see forward_rows)."""
     if code == BF16:
@@ -229,7 +230,7 @@ def store_scaled_row(addr, offset, code, buf, w_addr, rstd, n, cast_hf, gain_exa
             _scaled_bf16_rows(pb, offset, po, o_off, buf, wb, rstd, 0, n, cast_hf, finite, True)
         else:
             # The vector part where the target has AVX512-BF16, then the scalar loop.
-            start = scale_bf16_rows(addr + 2 * offset, buf, w_addr, rstd, n, cast_hf, gain_exact)
+            start = scale_bf16_rows(addr + 2 * offset, buf, w_addr, rstd, n, cast_hf)
             _scaled_bf16_rows(pb, offset, po, o_off, buf, wb, rstd, start, n, cast_hf, finite, False)
     elif code == F16:
         wh = ptr_f32(w_addr)
@@ -254,14 +255,14 @@ def store_scaled_row(addr, offset, code, buf, w_addr, rstd, n, cast_hf, gain_exa
 
 @njit(inline="always")
 def store_sum_scaled_row(x_addr, x_off, r_addr, r_off, o_addr, o_off, y_addr, y_off, w_addr, rstd, n, cast_hf,
-                         gain_exact, stream):
+                         stream):
     """The output stage without a scratch row, bf16 rows and an fp32 gain: ``s = x + r`` read again
     (``r_addr`` 0: ``s = x``), residual_out = s rounded (with r), y = (w * (s * rstd)) rounded once
     (Hugging Face order with ``cast_hf``); o may be r and y may be x (each element is read before
-    it is written). ``gain_exact``: see :func:`gain_is_bf16`; ``stream``: non-temporal stores for the
+    it is written). With ``cast_hf`` w is from :func:`hf_gain`; ``stream``: non-temporal stores for the
     vector part (the caller fences)."""
     start = scale_sum_bf16_rows(x_addr + 2 * x_off, r_addr + 2 * r_off if r_addr != 0 else r_addr,
-                                o_addr + 2 * o_off, y_addr + 2 * y_off, w_addr, rstd, n, cast_hf, gain_exact, stream)
+                                o_addr + 2 * o_off, y_addr + 2 * y_off, w_addr, rstd, n, cast_hf, stream)
     px = ptr_u16(x_addr)
     pr = ptr_u16(r_addr)
     po = ptr_u16(o_addr)
@@ -292,16 +293,15 @@ def gain_is_finite(w_addr, n):
 
 
 @njit(inline="always")
-def gain_is_bf16(w_addr, n):
-    """Whether every value of the fp32 gain row at ``w_addr`` is a bf16 value (its low 16 bits
-    zero), as a bf16 gain widened is: then the Hugging Face order's rounding of the gain changes
-    nothing (a NaN's bits included: y is NaN either way, and rounded to 0x7FC0), and the vector
-    stages skip it."""
-    p32 = ptr_u32(w_addr)
-    low = numba.uint32(0)
-    for j in range(n):  # uint32 throughout, as in gain_is_finite
-        low = numba.uint32(low | numba.uint32(p32[j] & numba.uint32(0xFFFF)))
-    return low == 0
+def hf_gain(dst, w_addr, n):
+    """dst[:n] = the fp32 gain at ``w_addr`` as the Hugging Face order's bf16 output stages on
+    AVX512-BF16 targets read it: rounded to bf16 once per call instead of once per element (its
+    NaNs to 0x7FC0; y is a NaN, rounded to 0x7FC0, either way), whole 32s laid out by
+    :func:`dsnorm.cpu.intrinsics.hf_gain_row`, the tail in element order, where the stages' scalar
+    loops read it (rounding it again changes nothing)."""
+    wf = ptr_f32(w_addr)
+    for j in range(hf_gain_row(dst, w_addr, n), n):
+        dst[j] = bf16_to_f32(f32_to_bf16(wf[j]))
 
 
 @njit(inline="always")
