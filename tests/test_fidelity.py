@@ -293,8 +293,8 @@ def _bits(t):
     return t.view(torch.int16).int() & 0xFFFF
 
 
-# The output stage's three forms: DeepSeek's order, Hugging Face's with an fp32 gain (rounded to bf16
-# in the stage), and Hugging Face's with a bf16 gain (vLLM's: exact in bf16, not rounded again).
+# The output stage's forms and gains: DeepSeek's order, and Hugging Face's with an fp32 gain (rounded
+# to bf16 once per call) and with a bf16 one (vLLM's: exact in bf16).
 _CASTS_AND_GAINS = [("deepseek", torch.float32), ("hf", torch.float32), ("hf", torch.bfloat16)]
 
 

@@ -35,7 +35,7 @@ from dsnorm.cpu.stages import load_row
 
 # This module's kernels compile those of the modules above into themselves: the digest of their
 # sources (see dsnorm.cpu.runtime) makes a change to any of them a change to this file.
-DEPENDENCIES_SHA256 = 'c5b48d7bb53bb9405b2972f80079adc9ecf0a8933204d9fbea672d8c2b4a9198'
+DEPENDENCIES_SHA256 = '40e7b9951c36c9568452fe429c825be3338d44cbea8e52ea9f355f53b117a836'
 
 _ptr_u8 = pointer_intrinsic(types.uint8, ir.IntType(8))
 _ptr_i64 = pointer_intrinsic(types.int64, ir.IntType(64))

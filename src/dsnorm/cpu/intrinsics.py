@@ -387,9 +387,10 @@ def emit_add_bf16(builder, px, pr, po, pbuf, j, round_first=None):
 def scale_bf16_rows(typingctx, y_addr, buf, w_addr, rstd, n, cast_hf):
     """The vector part of the bf16 output stage: for j below ``n`` rounded down to 16, ``y[j] =
     f32_to_bf16(w[j] * (buf[j] * rstd))``, w an fp32 row; or with ``cast_hf``, for j below ``n``
-    rounded down to 32, ``f32_to_bf16(w[j] * round(buf[j] * rstd))`` (round: to bf16 and back), w
-    the gain prepared by :func:`hf_gain_row`. y a bf16 row. Returns where the scalar loop must
-    start: 0 without AVX512-BF16 or for a float64 ``buf``."""
+    rounded down to 32, ``f32_to_bf16(g[j] * round(buf[j] * rstd))`` (round: to bf16 and back), g
+    element j's rounded gain, read from the row laid out by :func:`hf_gain_row`. y a bf16 row.
+    Returns where the scalar loop must start: 0 without AVX512-BF16 or for a ``buf`` that is not
+    a contiguous fp32 row."""
     if not isinstance(buf, types.Array):
         return None
     sig = types.intp(types.int64, buf, types.int64, rstd, types.intp, types.boolean)
@@ -476,7 +477,7 @@ def hf_gain_row(typingctx, dst, w_addr, n):
     gain at ``w_addr`` rounded to bf16 (f32_to_bf16's bits, widened again), each whole 32 values
     laid out as their 16 even elements, then their 16 odd ones, the order in which the bf16 output
     stages read it. Returns where the caller's scalar loop must start (the tail, in element order):
-    0 without AVX512-BF16 or for a float64 ``dst``."""
+    0 without AVX512-BF16 or for a ``dst`` that is not a contiguous fp32 row."""
     if not isinstance(dst, types.Array):
         return None
     sig = types.intp(dst, types.int64, types.intp)
@@ -501,8 +502,8 @@ def hf_gain_row(typingctx, dst, w_addr, n):
 
 def _bf16_loops(builder, n, choices, body, width=16, values=()):
     """:func:`_bf16_row_loop` of ``body(j, *values)``, one loop for each combination of runtime
-    choices (branches outside the loops, so each loop is straight-line code); returns the loops'
-    common bound. A choice is an i1 (values True and False) or a list of ``(i1, value)`` tried in
+    choices (branches outside the loops, so each loop is straight-line code); returns the bound
+    of the loop that ran (they differ where their steps do). A choice is an i1 (values True and False) or a list of ``(i1, value)`` tried in
     order, the last one's i1 None (its default). ``width``: the loop's step, or a function of the
     values giving it."""
     if not choices:
@@ -587,7 +588,8 @@ def scale_sum_bf16_rows(typingctx, x_addr, r_addr, o_addr, y_addr, w_addr, rstd,
             # Fused: 32 elements as their even and odd halves (load_bf16_pair; DeepSeek's gain
             # shuffled to match, the Hugging Face one laid out so already), interleaved again as
             # they are stored (fewer vector operations than two vectors of consecutive elements;
-            # not for one input, where the gain's shuffles cost more than the widening they save):
+            # not for one input in DeepSeek's cast, where the gain's shuffles cost more than the
+            # widening they save):
             # every load before any store, as o may be r and y may be x; the sums' roundings and
             # y's in one group.
             sums = [builder.fadd(a, b) for a, b in zip(load_bf16_pair(builder, px, j), load_bf16_pair(builder, pr, j))]

@@ -66,7 +66,7 @@ from dsnorm.cpu.stages import (
 
 # This module's kernels compile those of the modules above into themselves: the digest of their
 # sources (see dsnorm.cpu.runtime) makes a change to any of them a change to this file.
-DEPENDENCIES_SHA256 = 'bbe39d44727595ebe2edc7eaf98a29f568d6063738c84631811f524c6f3fcbf7'
+DEPENDENCIES_SHA256 = 'e69235abe06b39c0c8cecdaefcdeaca1e7cec89eb8ef4a7c6e292870e9302e4e'
 
 # Software prefetch of the next row, interleaved with the store pass (see forward_rows): every
 # _PREFETCH_BYTES of output stored, the matching 64-byte lines of the next row's inputs are
@@ -75,6 +75,10 @@ DEPENDENCIES_SHA256 = 'bbe39d44727595ebe2edc7eaf98a29f568d6063738c84631811f524c6
 # over the residual and y over x) also from L3, for rows of at least _PREFETCH_IN_PLACE_MIN_WIDTH
 # once a thread's share of x passes its L2. Elsewhere it costs time.
 _PREFETCH_BYTES = 256
+# The store pass runs chunk by chunk, each chunk reading the gain from its first element on; the
+# Hugging Face order's prepared gain (bf16 rows) is laid out by 32 values from element 0 (hf_gain),
+# so a bf16 chunk must be a whole number of those blocks.
+assert (_PREFETCH_BYTES // 2) % 32 == 0
 _PREFETCH_MIN_WIDTH = 1024
 _PREFETCH_MIN_BYTES = 8 << 20
 _PREFETCH_IN_PLACE_MIN_WIDTH = 4096
@@ -182,8 +186,10 @@ def forward_rows(
     # loop, from registers, instead of reading the step back from L1 for the sum.
     fused_step = wide_bf16 and fused_one_dtype and not direct
     # The Hugging Face order's bf16 output stages on AVX512-BF16 targets read the gain rounded to
-    # bf16 once for the call, not per element, and laid out by 32s as they read it (hf_gain). The
-    # row loop reads its address, so that numba, which frees an array after its last use, keeps it.
+    # bf16 once for this thread's rows, not per element, and laid out by 32s as they read it
+    # (hf_gain); with fp32 compute (w_size 4) their vector parts always run, so no scalar loop
+    # reads a laid-out block. The row loop reads its address, so that numba, which frees an array
+    # after its last use, keeps it.
     hf_row = BF16_CVT and cast_hf and x_code == BF16 and w_size == 4
     gain_row = np.empty(n, dtype=scratch.dtype) if hf_row else scratch[:0]
     if hf_row:
