@@ -29,13 +29,13 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from dsnorm.cpu.intrinsics import by_address, f32_as_u32, pointer_intrinsic, ptr_f32, u32_as_f32
-from dsnorm.cpu.kernels import I0, I64, NO, ROW, forward_rows
+from dsnorm.cpu.kernels import I0, I64, NO, ROW, compute_code, forward_rows
 from dsnorm.cpu.runtime import kernel, run
 from dsnorm.cpu.stages import load_row
 
 # This module's kernels compile those of the modules above into themselves: the digest of their
 # sources (see dsnorm.cpu.runtime) makes a change to any of them a change to this file.
-DEPENDENCIES_SHA256 = '40e7b9951c36c9568452fe429c825be3338d44cbea8e52ea9f355f53b117a836'
+DEPENDENCIES_SHA256 = '5bb8f24b32ff418f2ebb739bf8cff3166b6a0b411fdac9972084bb38e78b4e7e'
 
 _ptr_u8 = pointer_intrinsic(types.uint8, ir.IntType(8))
 _ptr_i64 = pointer_intrinsic(types.int64, ir.IntType(64))
@@ -171,7 +171,7 @@ def fp8_rows(
             ya, ys = ytmp_addr, 0  # this thread's scratch row, rewritten for every row
         forward_rows(
             row, row + 1, n, scratch,
-            x_addr, x_stride, x_code, res_addr, res_stride, x_code, w_addr, ya, ys,
+            x_addr, x_stride, x_code, res_addr, res_stride, x_code, w_addr, compute_code(scratch), ya, ys,
             rout_addr, rout_stride, x_code, I0, eps, NO, NO,
         )
         buf = scratch[:n]
@@ -230,7 +230,7 @@ def final_rows(
             I0, I0 + 1, n, scratch,
             h_addr + (b * h_sb + pos * h_st) * esize, I0, code,
             r_addr + (b * r_sb + pos * r_st) * esize, I0, code,
-            w_addr, y_addr + b * n * esize, I0, ro_addr + b * n * esize, I0, code,
+            w_addr, compute_code(scratch), y_addr + b * n * esize, I0, ro_addr + b * n * esize, I0, code,
             I0, eps, NO, NO,
         )
 
@@ -270,9 +270,9 @@ def mla_rows(
     nq, q_addr, q_stride, wq_addr, yq_addr,
     nkv, kv_addr, kv_stride, wkv_addr, ykv_addr,
 ):
-    forward_rows(r0, r1, nq, scratch, q_addr, q_stride, code, I0, I0, code, wq_addr, yq_addr, nq,
+    forward_rows(r0, r1, nq, scratch, q_addr, q_stride, code, I0, I0, code, wq_addr, compute_code(scratch), yq_addr, nq,
                  I0, I0, code, I0, eps, NO, NO)
-    forward_rows(r0, r1, nkv, scratch, kv_addr, kv_stride, code, I0, I0, code, wkv_addr, ykv_addr, nkv,
+    forward_rows(r0, r1, nkv, scratch, kv_addr, kv_stride, code, I0, I0, code, wkv_addr, compute_code(scratch), ykv_addr, nkv,
                  I0, I0, code, I0, eps, NO, NO)
 
 

@@ -472,30 +472,34 @@ def _y_value(builder, rnd, s, scale, w, cast):
 
 
 @intrinsic
-def hf_gain_row(typingctx, dst, w_addr, n):
-    """The vector part of the Hugging Face order's gain: ``dst`` (an fp32 row of ``n``) = the fp32
-    gain at ``w_addr`` rounded to bf16 (f32_to_bf16's bits, widened again), each whole 32 values
-    laid out as their 16 even elements, then their 16 odd ones, the order in which the bf16 output
-    stages read it. Returns where the caller's scalar loop must start (the tail, in element order):
-    0 without AVX512-BF16 or for a ``dst`` that is not a contiguous fp32 row."""
+def hf_gain_row(typingctx, dst, w_addr, w_code, n):
+    """The vector part of the Hugging Face order's gain: ``dst`` (an fp32 row of ``n``) = the gain
+    at ``w_addr``, fp32 or (``w_code``) bf16, rounded to bf16 (f32_to_bf16's bits; a bf16 gain is
+    only widened), each whole 32 values laid out as their 16 even elements, then their 16 odd ones,
+    the order in which the bf16 output stages read it. Returns where the caller's scalar loop must
+    start (the tail, in element order): 0 without AVX512-BF16 or for a ``dst`` that is not a
+    contiguous fp32 row."""
     if not isinstance(dst, types.Array):
         return None
-    sig = types.intp(dst, types.int64, types.intp)
+    sig = types.intp(dst, types.int64, types.int64, types.intp)
 
     def codegen(context, builder, signature, args):
-        dst_arg, wa, n_arg = args
+        dst_arg, wa, code_arg, n_arg = args
         if not (BF16_CVT and _fp32_row(signature.args[0])):
             return ir.Constant(n_arg.type, 0)
         pd = context.make_array(signature.args[0])(context, builder, dst_arg).data
-        pw = builder.inttoptr(wa, ir.FloatType().as_pointer())
 
-        def body(j):
-            natural = _gain_halves(builder, pw, j)  # two vectors of consecutive values here
-            bits = rounded_bf16(builder, lambda rnd: [rnd(natural)])[0]
-            for k, half in zip((0, 16), _widen_pair(builder, bits)):
+        def body(j, code):
+            if code == BF16:  # one load, split by a shift and a mask (load_bf16_pair): exact
+                halves = load_bf16_pair(builder, builder.inttoptr(wa, _I16.as_pointer()), j)
+            else:
+                natural = _gain_halves(builder, builder.inttoptr(wa, ir.FloatType().as_pointer()), j)
+                halves = _widen_pair(builder, rounded_bf16(builder, lambda rnd: [rnd(natural)])[0])
+            for k, half in zip((0, 16), halves):
                 builder.store(half, vector_at(builder, pd, _V16F, builder.add(j, ir.Constant(j.type, k))), align=4)
 
-        return _bf16_row_loop(builder, n_arg, body, 32)
+        is_bf16 = builder.icmp_signed("==", code_arg, ir.Constant(code_arg.type, BF16))
+        return _bf16_loops(builder, n_arg, [[(is_bf16, BF16), (None, F32)]], body, 32)
 
     return sig, codegen
 

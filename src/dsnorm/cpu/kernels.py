@@ -66,7 +66,7 @@ from dsnorm.cpu.stages import (
 
 # This module's kernels compile those of the modules above into themselves: the digest of their
 # sources (see dsnorm.cpu.runtime) makes a change to any of them a change to this file.
-DEPENDENCIES_SHA256 = 'e69235abe06b39c0c8cecdaefcdeaca1e7cec89eb8ef4a7c6e292870e9302e4e'
+DEPENDENCIES_SHA256 = 'ae7835954d5fc628062396349123c5e40682321ae7d9b2cf01bcea9f30d1ed46'
 
 # Software prefetch of the next row, interleaved with the store pass (see forward_rows): every
 # _PREFETCH_BYTES of output stored, the matching 64-byte lines of the next row's inputs are
@@ -107,6 +107,26 @@ I0 = np.int64(0)
 NO = np.bool_(False)
 
 
+@njit(inline="always")
+def compute_code(scratch):
+    """The dtype code of the compute dtype (a scratch row's), typed: a gain's in that dtype."""
+    return np.int64(F32) if scratch.itemsize == 4 else np.int64(F64)
+
+
+@njit(inline="always")
+def prepares_gain(cast_hf, x_code, compute_size):
+    """Whether forward_rows lays the gain out itself (hf_gain), from an fp32 one or a bf16 one: the
+    Hugging Face order's bf16 rows in fp32 compute (``compute_size`` 4), on AVX512-BF16 targets."""
+    return BF16_CVT and cast_hf and x_code == BF16 and compute_size == 4
+
+
+@njit(inline="always")
+def widens_gain(w_code, cast_hf, x_code):
+    """Whether a caller of forward_rows in fp32 compute widens the gain first (thread_gain): a
+    bf16/fp16 one, but for a bf16 one that forward_rows lays out from its bits."""
+    return w_code != F32 and not (w_code == BF16 and prepares_gain(cast_hf, x_code, 4))
+
+
 def scratch_types(ndim: int) -> dict:
     """C-contiguous scratch arrays of ``ndim`` dimensions by compute dtype (x64: float64)."""
     return {x64: types.Array(types.float64 if x64 else types.float32, ndim, "C") for x64 in (False, True)}
@@ -117,7 +137,7 @@ ROW = scratch_types(1)
 ROWS = scratch_types(2)
 # forward_rows' argument types by compute dtype (x64): every caller passes these.
 FORWARD_ROWS_SIGNATURES = {
-    x64: (I64,) * 3 + (ROW[x64],) + (I64,) * 13 + (types.float64, types.boolean, types.boolean)
+    x64: (I64,) * 3 + (ROW[x64],) + (I64,) * 14 + (types.float64, types.boolean, types.boolean)
     for x64 in (False, True)
 }
 _call_forward_rows = by_address(*FORWARD_ROWS_SIGNATURES.values())
@@ -132,7 +152,7 @@ def forward_rows(
     r0, r1, n, scratch,
     x_addr, x_stride, x_code,
     res_addr, res_stride, res_code,
-    w_addr,
+    w_addr, w_code,
     y_addr, y_stride,
     rout_addr, rout_stride, rout_code,
     rstd_addr, eps_f64, cast_hf, round_first,
@@ -158,7 +178,7 @@ def forward_rows(
     step_len = group_len << level_power
     x_size = code_size(x_code)
     res_size = code_size(res_code)
-    w_size = scratch.itemsize  # the weight is in the compute dtype
+    w_size = scratch.itemsize  # the gain is in the compute dtype (w_code), or laid out in it (hf_row)
     in_place_wide = res_addr != 0 and rout_addr == res_addr and n >= _PREFETCH_IN_PLACE_MIN_WIDTH
     min_bytes = _PREFETCH_IN_PLACE_MIN_BYTES if in_place_wide else _PREFETCH_MIN_BYTES
     prefetch = n >= _PREFETCH_MIN_WIDTH and (r1 - r0) * n * x_size >= min_bytes
@@ -187,13 +207,14 @@ def forward_rows(
     fused_step = wide_bf16 and fused_one_dtype and not direct
     # The Hugging Face order's bf16 output stages on AVX512-BF16 targets read the gain rounded to
     # bf16 once for this thread's rows, not per element, and laid out by 32s as they read it
-    # (hf_gain); with fp32 compute (w_size 4) their vector parts always run, so no scalar loop
-    # reads a laid-out block. The row loop reads its address, so that numba, which frees an array
-    # after its last use, keeps it.
-    hf_row = BF16_CVT and cast_hf and x_code == BF16 and w_size == 4
+    # (hf_gain; a bf16 gain straight from its bits, which the callers leave unwidened: widens_gain);
+    # with fp32 compute (w_size 4) their vector parts always run, so no scalar loop reads a laid-out
+    # block. The row loop reads its address, so that numba, which frees an array after its last
+    # use, keeps it.
+    hf_row = prepares_gain(cast_hf, x_code, scratch.itemsize)
     gain_row = np.empty(n, dtype=scratch.dtype) if hf_row else scratch[:0]
     if hf_row:
-        hf_gain(gain_row, w_addr, n)
+        hf_gain(gain_row, w_addr, w_code, n)
     # Elsewhere the bit trick rounds, and a row whose sum is finite, under a gain that stays finite
     # in bf16 (gain_is_finite), holds no NaN to round: s is finite, rstd finite, and w * (s * rstd)
     # (or round(w) * round(s * rstd)) finite or infinite. Its roundings skip the NaN test
@@ -282,7 +303,7 @@ def forward_serial32(
     # The scratch row is allocated here: handing numba an array costs more than the allocation.
     forward_rows(
         I0, rows, n, np.empty(n + ACC_SLOTS, dtype=np.float32),
-        x_addr, x_stride, x_code, res_addr, res_stride, res_code, w_addr, y_addr, y_stride,
+        x_addr, x_stride, x_code, res_addr, res_stride, res_code, w_addr, np.int64(F32), y_addr, y_stride,
         rout_addr, rout_stride, rout_code, rstd_addr, eps, cast_hf, round_first,
     )
 
@@ -295,7 +316,7 @@ def forward_serial64(
 ):
     forward_rows(
         I0, rows, n, np.empty(n + ACC_SLOTS, dtype=np.float64),
-        x_addr, x_stride, x_code, res_addr, res_stride, res_code, w_addr, y_addr, y_stride,
+        x_addr, x_stride, x_code, res_addr, res_stride, res_code, w_addr, np.int64(F64), y_addr, y_stride,
         rout_addr, rout_stride, rout_code, rstd_addr, eps, cast_hf, round_first,
     )
 
@@ -308,18 +329,19 @@ _STACK_SCRATCH = 2048 + ACC_SLOTS
 
 
 @kernel()
-def thread_gain(n, w_addr, w_code, scratch_row):
+def thread_gain(n, w_addr, w_code, scratch_row, cast_hf, x_code):
     # forward_rows' gain for one thread's rows (the decode kernel's, or one thread's of a parallel
-    # launch): w_addr where the gain is in the compute dtype, else (a bf16/fp16 gain: vLLM keeps
+    # launch), as (address, dtype code): the gain itself where it is in the compute dtype or
+    # forward_rows lays it out from its bits (widens_gain), else (a bf16/fp16 gain: vLLM keeps
     # its gains in the model's dtype) the gain widened, exactly, into this thread's scratch row past
     # the row and its accumulators: what weight.to(float32) gives, without a call of its own. Each
     # thread widening its own copy costs less than one row widened by the calling thread, which
     # the other threads then had to fetch from its core's cache on every call.
-    if w_code == F32 or w_code == F64:
-        return w_addr
+    if w_code == F64 or not widens_gain(w_code, cast_hf, x_code):
+        return w_addr, w_code
     gain = scratch_row[n + ACC_SLOTS:2 * n + ACC_SLOTS]
     load_row(w_addr, 0, w_code, gain, n, False)
-    return np.int64(gain.ctypes.data)
+    return np.int64(gain.ctypes.data), np.int64(F32)
 
 
 @kernel()
@@ -328,16 +350,17 @@ def decode32(rows, n, code, x_addr, x_stride, res_addr, w_addr, w_code, y_addr, 
     # Rows of one dtype, all contiguous but x's: the serial kernel with a third of the arguments
     # (unboxing each one is a noticeable part of a decode norm). The scratch row of a narrow call
     # is on the stack: a heap array costs more (the allocation, its reference counts); wider rows
-    # keep the heap. A bf16/fp16 gain (w_code) is widened into the scratch's tail first (thread_gain).
+    # keep the heap. A bf16/fp16 gain (w_code) may be widened into the scratch's tail first (thread_gain).
     width = n + ACC_SLOTS
-    total = width if w_code == F32 else width + n
+    total = width + n if widens_gain(w_code, cast_hf, code) else width
     if total <= _STACK_SCRATCH:
         scratch = numba.carray(stack_f32(total), total)
     else:
         scratch = np.empty(total, dtype=np.float32)
+    gain_addr, gain_code = thread_gain(n, w_addr, w_code, scratch, cast_hf, code)
     forward_rows(
         I0, rows, n, scratch[:width],
-        x_addr, x_stride, code, res_addr, n, code, thread_gain(n, w_addr, w_code, scratch), y_addr, n,
+        x_addr, x_stride, code, res_addr, n, code, gain_addr, gain_code, y_addr, n,
         rout_addr, n, code, I0, eps, cast_hf, round_first,
     )
 
@@ -350,13 +373,14 @@ def forward_parallel(
 ):
     # rows_kernel: forward_rows' address for this scratch dtype (see the module docstring).
     # w_code: the gain's dtype, the compute dtype's or (fp32 compute) bf16/fp16; scratch rows of
-    # 2 * n + ACC_SLOTS values then (thread_gain).
+    # 2 * n + ACC_SLOTS values (thread_gain).
     # One contiguous block of rows per thread; a row's bits never depend on the split.
     nthreads = scratch.shape[0]
     for t in prange(nthreads):
+        gain_addr, gain_code = thread_gain(n, w_addr, w_code, scratch[t], cast_hf, x_code)
         _call_forward_rows(rows_kernel, (
             rows * t // nthreads, rows * (t + 1) // nthreads, n, scratch[t],
-            x_addr, x_stride, x_code, res_addr, res_stride, res_code, thread_gain(n, w_addr, w_code, scratch[t]),
+            x_addr, x_stride, x_code, res_addr, res_stride, res_code, gain_addr, gain_code,
             y_addr, y_stride, rout_addr, rout_stride, rout_code, rstd_addr, eps, cast_hf, round_first,
         ))
 

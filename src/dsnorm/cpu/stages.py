@@ -293,15 +293,17 @@ def gain_is_finite(w_addr, n):
 
 
 @njit(inline="always")
-def hf_gain(dst, w_addr, n):
-    """dst[:n] = the fp32 gain at ``w_addr`` as the Hugging Face order's bf16 output stages on
-    AVX512-BF16 targets read it: rounded to bf16 once per call instead of once per element (its
-    NaNs to 0x7FC0; y is a NaN, rounded to 0x7FC0, either way), whole 32s laid out by
+def hf_gain(dst, w_addr, w_code, n):
+    """dst[:n] = the gain at ``w_addr`` (dtype ``w_code``) as the Hugging Face order's bf16 output
+    stages on AVX512-BF16 targets read it: rounded to bf16 once per call instead of once per element
+    (a NaN to 0x7FC0, or in a bf16 gain's vector part kept as it is: y is a NaN there, rounded to
+    0x7FC0, either way), whole 32s laid out by
     :func:`dsnorm.cpu.intrinsics.hf_gain_row`, the tail in element order, where the stages' scalar
     loops read it (rounding it again changes nothing)."""
-    wf = ptr_f32(w_addr)
-    for j in range(hf_gain_row(dst, w_addr, n), n):
-        dst[j] = bf16_to_f32(f32_to_bf16(wf[j]))
+    start = hf_gain_row(dst, w_addr, w_code, n)
+    tail = dst[start:n]
+    load_row(w_addr, start, w_code, tail, n - start, False)
+    round_row(tail, n - start, BF16)
 
 
 @njit(inline="always")
