@@ -23,8 +23,7 @@ no multiply-add may be contracted into an FMA (numba never contracts without fas
 
 A wide row is summed a level step at a time (:func:`sum_step`, then :func:`sum_finish`), its
 accumulators in the scratch row's tail (``ACC_SLOTS``); a step's values come from the scratch row,
-or, for bf16 rows on CPUs with AVX512-BF16, straight from the inputs (:func:`sum_step_bf16`) or
-from the fused stage that fills the scratch row in the same loop (:func:`sum_step_add_bf16`). A
+or, for bf16 rows on CPUs with AVX512-BF16, straight from the inputs (:func:`sum_step_bf16`). A
 row of at most 16 groups (fp32 compute: narrower than 544 elements, kv_norm's 512 included) keeps
 the whole cascade in registers (:func:`sumsq_narrow`). The chains and adds of the accumulators are
 written as vector IR (:func:`_chain32`, :func:`_add32`): LLVM's vectorisers leave them scalar.
@@ -36,7 +35,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from dsnorm.cpu.intrinsics import emit_add_bf16, load_bf16_pair, vector_at
+from dsnorm.cpu.intrinsics import load_bf16_pair, vector_at
 
 # Vector lanes torch's CPU sum uses for fp32 (doubles: half as many).
 SUM_LANES = 8
@@ -172,36 +171,6 @@ def _chain32_bf16(typingctx, x_addr, r_addr, offset, count, out):
 
                 accs = _emit_chains_of(builder, load, count_arg, vec, True)
                 _store_accs(builder, accs, dst, vec, 4)
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-@intrinsic
-def _chain32_add_bf16(typingctx, x_addr, r_addr, o_addr, buf, offset, count, out):
-    """The fused bf16 stage and ``_chain32`` in one loop: for ``count`` groups of 32 elements from
-    ``offset``, ``s = x + r`` widened, ``o = f32_to_bf16(s)``, ``buf = s``, and s's squares into the
-    accumulators ``out[0:32]``: the same bits as the stage, then ``_chain32`` of ``buf``, without
-    reading buf back. fp32 compute only (as ``_chain32_bf16``)."""
-    if not (isinstance(out, types.Array) and out.dtype in (types.float32, types.float64) and out.ndim == 1
-            and out.layout == "C" and isinstance(buf, types.Array) and buf.dtype == out.dtype):
-        return None
-    sig = types.void(types.int64, types.int64, types.int64, buf, types.intp, types.intp, out)
-
-    def codegen(context, builder, signature, args):
-        xa, ra, oa, buf_arg, offset_arg, count_arg, out_arg = args
-        if _fp32_only(context, builder, signature.args[6], "_chain32_add_bf16"):
-            return context.get_dummy_value()
-        vec = ir.VectorType(ir.FloatType(), 8)
-        px, pr, po = _rows_at(builder, offset_arg, xa, ra, oa)
-        pb = builder.gep(context.make_array(signature.args[3])(context, builder, buf_arg).data, [offset_arg])
-
-        def load(index, wide):  # a group's two 16-lane halves: the stage's vectors themselves
-            assert wide.count == 16
-            return emit_add_bf16(builder, px, pr, po, pb, index)
-
-        accs = _emit_chains_of(builder, load, count_arg, vec)
-        _store_accs(builder, accs, context.make_array(signature.args[6])(context, builder, out_arg).data, vec, 4)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -352,14 +321,6 @@ def sum_step(buf, i, lanes, level_power, acc):
 def sum_step_bf16(x_addr, r_addr, i, level_power, acc):
     """:func:`sum_step` of the row ``x + r`` (``r_addr`` 0: ``x``) read from bf16 rows, 8 lanes."""
     _chain32_bf16(x_addr, r_addr, i * 32, 1 << level_power, acc)
-    return _cascade(i + (1 << level_power), SUM_LANES, level_power, acc)
-
-
-@njit(inline="always")
-def sum_step_add_bf16(x_addr, r_addr, o_addr, buf, i, level_power, acc):
-    """The fused bf16 stage over one level step (buf = x + r, o = buf rounded) and
-    :func:`sum_step` of it, in one pass; row addresses, 8 lanes, fp32 compute."""
-    _chain32_add_bf16(x_addr, r_addr, o_addr, buf, i * 32, 1 << level_power, acc)
     return _cascade(i + (1 << level_power), SUM_LANES, level_power, acc)
 
 

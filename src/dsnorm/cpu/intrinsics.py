@@ -10,6 +10,8 @@ bits, as torch does) and fp16 through LLVM's ``half`` (F16C). A dtype travels as
 
 from __future__ import annotations
 
+import contextlib
+
 import numba
 import torch
 from llvmlite import ir
@@ -241,14 +243,22 @@ def widen_bf16(builder, bits):
     return builder.bitcast(builder.shuffle_vector(bits, zero, ir.Constant(ir.VectorType(_I32, 32), order)), _V16F)
 
 
-def _round_cvt(builder, value, masks):
-    """IR: VCVTNEPS2BF16 of a <16 x float> (a pair of them: VCVTNE2PS2BF16, their <32 x i16> one
-    after the other); appends to ``masks`` the i16 of the lanes where that is not torch's rule (0xA1:
-    quiet NaN, signalling NaN, denormal)."""
+# VFPCLASSPS immediates: the lanes the instruction does not round by torch's rule (quiet NaN,
+# signalling NaN, denormal), and those or a zero (see rounded_bf16).
+SPECIAL = 0xA1
+SPECIAL_OR_ZERO = SPECIAL | 0x06
+
+
+def _class_mask(builder, value, classes):
+    """IR: the i16 of the lanes of a <16 x float> in ``classes`` (a VFPCLASSPS immediate)."""
     fpclass = _declare(builder.module, "llvm.x86.avx512.fpclass.ps.512", ir.VectorType(_I1, 16), [_V16F, _I32])
+    return builder.bitcast(builder.call(fpclass, [value, ir.Constant(_I32, classes)]), _I16)
+
+
+def _round_cvt(builder, value):
+    """IR: VCVTNEPS2BF16 of a <16 x float> (a pair of them: VCVTNE2PS2BF16, their <32 x i16> one
+    after the other)."""
     values = value if isinstance(value, tuple) else (value,)
-    for v in values:
-        masks.append(builder.bitcast(builder.call(fpclass, [v, ir.Constant(_I32, 0xA1)]), _I16))
     # Declared with their LLVM 15 signatures (i16 vectors; llvmlite has no bfloat type), which later
     # LLVMs upgrade to their bfloat ones when they read the IR.
     if len(values) == 2:
@@ -277,16 +287,43 @@ def rounded_bf16(builder, compute):
     ``rnd`` (<16 x float> -> <16 x i16>; a pair of them -> <32 x i16>) rounds to bf16, with
     f32_to_bf16's bits for every lane: computed with the instruction, and where any lane any
     ``rnd`` saw is special, computed again in a branch with the bit trick. One test and branch for
-    all of a vector's roundings."""
-    masks = []
-    fast = compute(lambda value: _round_cvt(builder, value, masks))
+    all of a vector's roundings.
+
+    ``rnd(value, test)``: ``test`` SPECIAL (the default) tests the lanes rounded. A value rounded
+    and then scaled, then rounded again, may leave its test to the second rounding: ``test`` 0 for
+    the first and SPECIAL_OR_ZERO for the second. A NaN stays one through the product, and a
+    denormal, which the instruction reads as zero, makes the product a zero or a NaN. A zero
+    rounded exactly then also takes the branch, where the exact test (SPECIAL on every value) runs
+    before the bit trick is run: it costs rows holding zeros some time, not bits."""
+    masks, exact, loose = [], [], []
+
+    def rnd(value, test=SPECIAL):
+        values = value if isinstance(value, tuple) else (value,)
+        tested = [_class_mask(builder, v, test) for v in values] if test else []
+        masks.extend(tested)
+        if test == SPECIAL:
+            exact.extend(tested)
+        else:
+            loose.extend(values)
+        return _round_cvt(builder, value)
+
+    def any_lane(lanes):
+        special = lanes[0]
+        for mask in lanes[1:]:
+            special = builder.or_(special, mask)
+        return builder.icmp_unsigned("!=", special, ir.Constant(_I16, 0))
+
+    fast = compute(rnd)
     slots = [cgutils.alloca_once_value(builder, value) for value in fast]
-    special = masks[0]
-    for mask in masks[1:]:
-        special = builder.or_(special, mask)
-    with builder.if_then(builder.icmp_unsigned("!=", special, ir.Constant(_I16, 0)), likely=False):
-        for slot, value in zip(slots, compute(lambda value: _round_trick(builder, value))):
-            builder.store(value, slot)
+    with builder.if_then(any_lane(masks), likely=False):
+        if loose:
+            lanes = exact + [_class_mask(builder, v, SPECIAL) for v in loose]
+            redo = builder.if_then(any_lane(lanes), likely=False)
+        else:
+            redo = contextlib.nullcontext()
+        with redo:
+            for slot, value in zip(slots, compute(lambda value, test=SPECIAL: _round_trick(builder, value))):
+                builder.store(value, slot)
     return [builder.load(slot) for slot in slots]
 
 
@@ -319,7 +356,12 @@ def _bf16_row_loop(builder, n, body, width=16):
 
 _EVENS = [2 * i for i in range(16)]
 _ODDS = [2 * i + 1 for i in range(16)]
-_INTERLEAVE = [t for i in range(16) for t in (i, 16 + i)]
+# The orders in which a stage holds 32 values, as the element each position holds. VCVTNE2PS2BF16
+# of two vectors, then _widen_pair, holds the values of two vectors of consecutive elements as
+# evens, then odds (PAIRS); of a row read as its evens and its odds (load_bf16_pair), as the
+# elements 0, 1, 2 and 3 mod 4 (QUADS).
+PAIRS = _EVENS + _ODDS
+QUADS = [4 * i + k for k in range(4) for i in range(8)]
 
 
 def load_bf16_pair(builder, base, index):
@@ -340,9 +382,17 @@ def _deinterleave(builder, pw, j):
             builder.shuffle_vector(lo, hi, ir.Constant(_V16I, _ODDS)))
 
 
-def _interleave(builder, halves):
-    """<32 x i16> in element order from the bits of the even elements followed by the odd ones'."""
-    return builder.shuffle_vector(halves, halves, ir.Constant(ir.VectorType(_I32, 32), _INTERLEAVE))
+def _in_order(builder, bits, layout):
+    """<32 x i16> in element order from ``bits`` held in the order ``layout`` (PAIRS or QUADS)."""
+    inverse = [layout.index(e) for e in range(32)]
+    return builder.shuffle_vector(bits, bits, ir.Constant(ir.VectorType(_I32, 32), inverse))
+
+
+def _laid_out(builder, bits, layout):
+    """<32 x i16> in element order arranged so that :func:`_widen_pair` gives its values in the
+    order ``layout``: the first 16 of the layout, then the last 16."""
+    order = [layout[half * 16 + i] for i in range(16) for half in (0, 1)]
+    return builder.shuffle_vector(bits, bits, ir.Constant(ir.VectorType(_I32, 32), order))
 
 
 def _fp32_row(row):
@@ -411,7 +461,7 @@ def scale_bf16_rows(typingctx, y_addr, buf, w_addr, rstd, n, cast_hf):
                 return
             pair = tuple(builder.load(vector_at(builder, data, _V16F, builder.add(j, ir.Constant(j.type, k))),
                                       align=4) for k in (0, 16))
-            _emit_store_y_hf(builder, pair, scale, pw, py, j)
+            _emit_store_y_hf(builder, pair, PAIRS, scale, pw, py, j)
 
         return _bf16_loops(builder, n_arg, [_cast_choice(cast_hf_arg)], body,
                            lambda cast: 16 if cast == "deepseek" else 32)
@@ -428,7 +478,7 @@ def _splat_arg(builder, value):
 def _emit_store_y(builder, s, scale, pw, py, j, *, stream=False):
     """y[j:j+16] = f32_to_bf16(w * (s * scale)), DeepSeek's cast."""
     w = builder.load(vector_at(builder, pw, _V16F, j), align=4)
-    y = rounded_bf16(builder, lambda rnd: [rnd(_y_value(builder, rnd, s, scale, w, "deepseek"))])[0]
+    y = rounded_bf16(builder, lambda rnd: [rnd(builder.fmul(w, builder.fmul(s, scale)))])[0]
     _store_bits(builder, y, vector_at(builder, py, _V16H, j), stream)
 
 
@@ -441,65 +491,60 @@ def _widen_pair(builder, bits):
 
 
 def _gain_halves(builder, pw, j):
-    """The Hugging Face gain's 32 values from element ``j`` (laid out by :func:`hf_gain_row`) as
-    (evens, odds): two plain loads."""
+    """The 32 fp32 values from element ``j`` of the row ``pw`` as two <16 x float>: two plain loads
+    (the Hugging Face gain laid out by :func:`hf_gain_row` is in a stage's order already)."""
     return tuple(builder.load(vector_at(builder, pw, _V16F, builder.add(j, ir.Constant(j.type, k))), align=4)
                  for k in (0, 16))
 
 
-def _emit_store_y_hf(builder, pair, scale, pw, py, j, *, stream=False):
-    """y[j:j+32] in the Hugging Face order, ``f32_to_bf16(w * round(s * scale))``, from ``pair``,
-    the row's 32 values as two <16 x float> of consecutive elements, and the gain prepared by
-    :func:`hf_gain_row`. One VCVTNE2PS2BF16 rounds the 32 values of x̂, and :func:`_widen_pair`
-    widens them again as evens and odds (a conversion and a widening shuffle per 16 otherwise); the
-    gain is laid out the same way, and y put back in order as it is stored (:func:`_interleave`)."""
-    def compute(rnd):
-        xhat = _widen_pair(builder, rnd(tuple(builder.fmul(s, scale) for s in pair)))
-        return [rnd(tuple(builder.fmul(w, q) for w, q in zip(_gain_halves(builder, pw, j), xhat)))]
-
-    y = rounded_bf16(builder, compute)[0]
-    _store_bits(builder, _interleave(builder, y), vector_at(builder, py, _V32H, j), stream)
+def _y_hf(builder, rnd, pair, scale, pw, j):
+    """In a group of :func:`rounded_bf16`, y's bits in the Hugging Face order, ``f32_to_bf16(w *
+    round(s * scale))``, for 32 values ``pair`` (two <16 x float>) and the gain prepared by
+    :func:`hf_gain_row` in the same order. One VCVTNE2PS2BF16 rounds the 32 values of x̂ and
+    :func:`_widen_pair` widens them again: held as PAIRS for consecutive values, QUADS for evens
+    and odds; the gain is laid out so. x̂'s rounding leaves its test to y's (see rounded_bf16)."""
+    xhat = _widen_pair(builder, rnd(tuple(builder.fmul(s, scale) for s in pair), 0))
+    return rnd(tuple(builder.fmul(w, q) for w, q in zip(_gain_halves(builder, pw, j), xhat)), SPECIAL_OR_ZERO)
 
 
-def _y_value(builder, rnd, s, scale, w, cast):
-    """y before its rounding: ``w * (s * scale)``, in the Hugging Face order (``cast`` "hf", w the
-    gain rounded by :func:`hf_gain_row`) ``w * round(s * scale)``, x̂ rounded by ``rnd`` (see
-    :func:`rounded_bf16`)."""
-    xhat = builder.fmul(s, scale)
-    if cast == "hf":
-        xhat = widen_bf16(builder, rnd(xhat))
-    return builder.fmul(w, xhat)
+def _emit_store_y_hf(builder, pair, layout, scale, pw, py, j, *, stream=False):
+    """y[j:j+32] in the Hugging Face order from ``pair``, the row's 32 values: two vectors of
+    consecutive elements (``layout`` PAIRS) or its evens and odds (QUADS); the gain laid out by
+    :func:`hf_gain_row` for that layout, and y put back in order as it is stored."""
+    y = rounded_bf16(builder, lambda rnd: [_y_hf(builder, rnd, pair, scale, pw, j)])[0]
+    _store_bits(builder, _in_order(builder, y, layout), vector_at(builder, py, _V32H, j), stream)
 
 
 @intrinsic
-def hf_gain_row(typingctx, dst, w_addr, w_code, n):
+def hf_gain_row(typingctx, dst, w_addr, w_code, n, quads):
     """The vector part of the Hugging Face order's gain: ``dst`` (an fp32 row of ``n``) = the gain
     at ``w_addr``, fp32 or (``w_code``) bf16, rounded to bf16 (f32_to_bf16's bits; a bf16 gain is
-    only widened), each whole 32 values laid out as their 16 even elements, then their 16 odd ones,
-    the order in which the bf16 output stages read it. Returns where the caller's scalar loop must
-    start (the tail, in element order): 0 without AVX512-BF16 or for a ``dst`` that is not a
-    contiguous fp32 row."""
+    only widened), each whole 32 values laid out in the order in which the bf16 output stages hold
+    them: QUADS for the stages that read rows as evens and odds (``quads``: those that read no
+    scratch row), else PAIRS. Returns where the caller's scalar loop must start (the tail, in
+    element order): 0 without AVX512-BF16 or for a ``dst`` that is not a contiguous fp32 row."""
     if not isinstance(dst, types.Array):
         return None
-    sig = types.intp(dst, types.int64, types.int64, types.intp)
+    sig = types.intp(dst, types.int64, types.int64, types.intp, types.boolean)
 
     def codegen(context, builder, signature, args):
-        dst_arg, wa, code_arg, n_arg = args
+        dst_arg, wa, code_arg, n_arg, quads_arg = args
         if not (BF16_CVT and _fp32_row(signature.args[0])):
             return ir.Constant(n_arg.type, 0)
         pd = context.make_array(signature.args[0])(context, builder, dst_arg).data
 
-        def body(j, code):
-            if code == BF16:  # one load, split by a shift and a mask (load_bf16_pair): exact
-                halves = load_bf16_pair(builder, builder.inttoptr(wa, _I16.as_pointer()), j)
+        def body(j, code, quads):
+            if code == BF16:  # exact: only arranged and widened
+                words = builder.load(vector_at(builder, builder.inttoptr(wa, _I16.as_pointer()), _V32H, j), align=2)
             else:
                 natural = _gain_halves(builder, builder.inttoptr(wa, ir.FloatType().as_pointer()), j)
-                halves = _widen_pair(builder, rounded_bf16(builder, lambda rnd: [rnd(natural)])[0])
+                words = rounded_bf16(builder, lambda rnd: [rnd(natural)])[0]
+            halves = _widen_pair(builder, _laid_out(builder, words, QUADS if quads else PAIRS))
             for k, half in zip((0, 16), halves):
                 builder.store(half, vector_at(builder, pd, _V16F, builder.add(j, ir.Constant(j.type, k))), align=4)
 
         is_bf16 = builder.icmp_signed("==", code_arg, ir.Constant(code_arg.type, BF16))
-        return _bf16_loops(builder, n_arg, [[(is_bf16, BF16), (None, F32)]], body, 32)
+        return _bf16_loops(builder, n_arg, [[(is_bf16, BF16), (None, F32)], quads_arg], body, 32)
 
     return sig, codegen
 
@@ -585,23 +630,27 @@ def scale_sum_bf16_rows(typingctx, x_addr, r_addr, o_addr, y_addr, w_addr, rstd,
             if not fused and cast == "deepseek":
                 _emit_store_y(builder, load_bf16(builder, px, j), scale, pw, py, j, stream=stream)
                 return
+            # 32 elements as their even and odd halves (load_bf16_pair: fewer vector operations
+            # than two vectors of consecutive elements), put back in order as they are stored; the
+            # Hugging Face gain is laid out for it (QUADS), DeepSeek's shuffled to match (not for
+            # one input in DeepSeek's cast, where the gain's shuffles cost more than the widening
+            # they save).
+            halves = load_bf16_pair(builder, px, j)
             if not fused:
-                pair = tuple(load_bf16(builder, px, builder.add(j, ir.Constant(j.type, k))) for k in (0, 16))
-                _emit_store_y_hf(builder, pair, scale, pw, py, j, stream=stream)
+                _emit_store_y_hf(builder, halves, QUADS, scale, pw, py, j, stream=stream)
                 return
-            # Fused: 32 elements as their even and odd halves (load_bf16_pair; DeepSeek's gain
-            # shuffled to match, the Hugging Face one laid out so already), interleaved again as
-            # they are stored (fewer vector operations than two vectors of consecutive elements;
-            # not for one input in DeepSeek's cast, where the gain's shuffles cost more than the
-            # widening they save):
-            # every load before any store, as o may be r and y may be x; the sums' roundings and
+            # Every load before any store, as o may be r and y may be x; the sums' roundings and
             # y's in one group.
-            sums = [builder.fadd(a, b) for a, b in zip(load_bf16_pair(builder, px, j), load_bf16_pair(builder, pr, j))]
-            gains = _gain_halves(builder, pw, j) if cast == "hf" else _deinterleave(builder, pw, j)
-            o, y = rounded_bf16(builder, lambda rnd: [rnd(tuple(sums)), rnd(tuple(
-                _y_value(builder, rnd, s, scale, w, cast) for s, w in zip(sums, gains)))])
-            _store_bits(builder, _interleave(builder, o), vector_at(builder, po, _V32H, j), stream)
-            _store_bits(builder, _interleave(builder, y), vector_at(builder, py, _V32H, j), stream)
+            sums = tuple(builder.fadd(a, b) for a, b in zip(halves, load_bf16_pair(builder, pr, j)))
+            if cast == "hf":
+                o, y = rounded_bf16(builder, lambda rnd: [rnd(sums), _y_hf(builder, rnd, sums, scale, pw, j)])
+            else:
+                gains = _deinterleave(builder, pw, j)
+                o, y = rounded_bf16(builder, lambda rnd: [rnd(sums), rnd(tuple(
+                    builder.fmul(w, builder.fmul(s, scale)) for s, w in zip(sums, gains)))])
+            _store_bits(builder, _in_order(builder, o, PAIRS), vector_at(builder, po, _V32H, j), stream)
+            _store_bits(builder, _in_order(builder, y, QUADS if cast == "hf" else PAIRS),
+                        vector_at(builder, py, _V32H, j), stream)
 
         zero = ir.Constant(ra.type, 0)
         fused = builder.icmp_unsigned("!=", ra, zero)

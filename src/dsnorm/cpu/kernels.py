@@ -4,9 +4,9 @@ kernels that call it (plus the decode kernel, a serial one with fewer arguments)
 * One pass over memory: each row is widened once into a per-thread scratch row in the compute dtype
   (it stays in L1/L2), which the sum (:mod:`dsnorm.cpu.cascade`, torch's order) and the output
   stage then read; inputs are read once from memory, outputs written once. On CPUs with
-  AVX512-BF16, wide one-dtype bf16 rows in fp32 compute (not ``round_first``; fused ones in the
-  Hugging Face order from 2 MiB a thread on) skip it but for a row's tail: the sum reads the
-  inputs, and the output stage reads them again from L2 (see forward_rows). Then, as torch
+  AVX512-BF16, wide one-dtype bf16 rows in fp32 compute (not ``round_first``) skip it but for a
+  row's tail: the sum reads the inputs, and the output stage reads them again from L2 (see
+  forward_rows). Then, as torch
   computes it, ``mean = sum / n`` (true division), ``rstd = 1 / sqrt(mean + eps)`` (torch's CPU
   rsqrt), ``xhat = s * rstd`` and only then ``weight * xhat``.
 * Calls by address: a parallel kernel calls its per-thread rows kernel through the rows kernel's
@@ -35,7 +35,6 @@ from dsnorm.cpu.cascade import (
     sum_finish,
     sum_layout,
     sum_step,
-    sum_step_add_bf16,
     sum_step_bf16,
     sumsq_narrow,
 )
@@ -66,7 +65,7 @@ from dsnorm.cpu.stages import (
 
 # This module's kernels compile those of the modules above into themselves: the digest of their
 # sources (see dsnorm.cpu.runtime) makes a change to any of them a change to this file.
-DEPENDENCIES_SHA256 = 'ae7835954d5fc628062396349123c5e40682321ae7d9b2cf01bcea9f30d1ed46'
+DEPENDENCIES_SHA256 = '1fb5f83195ef0d2b24bf69d4890491065f2fa6abbf063a5a3f8c192b0f60b618'
 
 # Software prefetch of the next row, interleaved with the store pass (see forward_rows): every
 # _PREFETCH_BYTES of output stored, the matching 64-byte lines of the next row's inputs are
@@ -83,9 +82,6 @@ _PREFETCH_MIN_WIDTH = 1024
 _PREFETCH_MIN_BYTES = 8 << 20
 _PREFETCH_IN_PLACE_MIN_WIDTH = 4096
 _PREFETCH_IN_PLACE_MIN_BYTES = 2 << 20
-# A thread's share of x from which fused rows in the Hugging Face order skip the scratch row (its
-# L2; see forward_rows).
-_DIRECT_FUSED_MIN_BYTES = 2 << 20
 # Outputs that do not overwrite the inputs, from a thread's share of x of this many bytes on, are
 # written with non-temporal stores (the path that reads no scratch row; see forward_rows): an
 # ordinary store first reads each line of a fresh output for ownership, and outputs this large leave
@@ -189,22 +185,14 @@ def forward_rows(
     # One-dtype bf16 rows of a wide row, fp32 compute, where the target rounds a vector at once
     # (intrinsics.BF16_CVT): the sum reads the inputs themselves, and the output stage reads them
     # again instead of an fp32 scratch row. The sum's order is the same; only a row's tail past its
-    # whole level steps goes through the scratch. A plain row is read faster that way wherever it
-    # is, and so is a fused one (two inputs to read again, the sum to round in the output stage) in
-    # DeepSeek's cast. In the Hugging Face order, whose output stage rounds once more, the second
-    # read cost more than the scratch row within a thread's L2; beyond it the scratch row, sharing
-    # L1 with the streaming inputs, slowed their reads (docs/performance.md).
+    # whole level steps goes through the scratch. A row is read faster that way wherever it is, a
+    # fused one too (two inputs to read again, the sum to round in the output stage), in either
+    # order (docs/performance.md).
     wide_bf16 = (
         BF16_CVT and x_code == BF16 and scratch.itemsize == 4 and not round_first and not narrow
         and lanes == lanes_max
     )
-    direct = wide_bf16 and (
-        res_addr == 0
-        or (fused_one_dtype and (not cast_hf or (r1 - r0) * n * x_size >= _DIRECT_FUSED_MIN_BYTES))
-    )
-    # Below that size, the fused bf16 stage fills the scratch row and sums each vector in the same
-    # loop, from registers, instead of reading the step back from L1 for the sum.
-    fused_step = wide_bf16 and fused_one_dtype and not direct
+    direct = wide_bf16 and (res_addr == 0 or fused_one_dtype)
     # The Hugging Face order's bf16 output stages on AVX512-BF16 targets read the gain rounded to
     # bf16 once for this thread's rows, not per element, and laid out by 32s as they read it
     # (hf_gain; a bf16 gain straight from its bits, which the callers leave unwidened: widens_gain);
@@ -214,7 +202,7 @@ def forward_rows(
     hf_row = prepares_gain(cast_hf, x_code, scratch.itemsize)
     gain_row = np.empty(n, dtype=scratch.dtype) if hf_row else scratch[:0]
     if hf_row:
-        hf_gain(gain_row, w_addr, w_code, n)
+        hf_gain(gain_row, w_addr, w_code, n, direct)
     # Elsewhere the bit trick rounds, and a row whose sum is finite, under a gain that stays finite
     # in bf16 (gain_is_finite), holds no NaN to round: s is finite, rstd finite, and w * (s * rstd)
     # (or round(w) * round(s * rstd)) finite or infinite. Its roundings skip the NaN test
@@ -244,10 +232,6 @@ def forward_rows(
             full_step = not narrow and i + (1 << level_power) <= groups
             if direct and full_step:
                 i = sum_step_bf16(x_row, res_row, i, level_power, acc)
-                lo += step_len
-                continue
-            if fused_step and full_step:
-                i = sum_step_add_bf16(x_row, res_row, rout_addr + row * rout_stride * x_size, buf, i, level_power, acc)
                 lo += step_len
                 continue
             hi = lo + step_len if full_step else n

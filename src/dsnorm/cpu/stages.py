@@ -293,14 +293,14 @@ def gain_is_finite(w_addr, n):
 
 
 @njit(inline="always")
-def hf_gain(dst, w_addr, w_code, n):
+def hf_gain(dst, w_addr, w_code, n, quads):
     """dst[:n] = the gain at ``w_addr`` (dtype ``w_code``) as the Hugging Face order's bf16 output
     stages on AVX512-BF16 targets read it: rounded to bf16 once per call instead of once per element
     (a NaN to 0x7FC0, or in a bf16 gain's vector part kept as it is: y is a NaN there, rounded to
-    0x7FC0, either way), whole 32s laid out by
-    :func:`dsnorm.cpu.intrinsics.hf_gain_row`, the tail in element order, where the stages' scalar
+    0x7FC0, either way), whole 32s laid out by :func:`dsnorm.cpu.intrinsics.hf_gain_row` (``quads``:
+    for the stages that read no scratch row), the tail in element order, where the stages' scalar
     loops read it (rounding it again changes nothing)."""
-    start = hf_gain_row(dst, w_addr, w_code, n)
+    start = hf_gain_row(dst, w_addr, w_code, n, quads)
     tail = dst[start:n]
     load_row(w_addr, start, w_code, tail, n - start, False)
     round_row(tail, n - start, BF16)
