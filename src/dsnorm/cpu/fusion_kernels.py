@@ -35,7 +35,7 @@ from dsnorm.cpu.stages import load_row
 
 # This module's kernels compile those of the modules above into themselves: the digest of their
 # sources (see dsnorm.cpu.runtime) makes a change to any of them a change to this file.
-DEPENDENCIES_SHA256 = 'eab8cbc729c1e1289bb7945e48e3fcc304e6bb8658f248f35fa1509423a2ced4'
+DEPENDENCIES_SHA256 = 'aa8fcf9458736cc8d09eca621663ef61f045d27d1826807aed55a2232d66fd83'
 
 _ptr_u8 = pointer_intrinsic(types.uint8, ir.IntType(8))
 _ptr_i64 = pointer_intrinsic(types.int64, ir.IntType(64))

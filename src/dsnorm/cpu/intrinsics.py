@@ -552,9 +552,9 @@ def hf_gain_row(typingctx, dst, w_addr, w_code, n, quads):
 def _bf16_loops(builder, n, choices, body, width=16, values=()):
     """:func:`_bf16_row_loop` of ``body(j, *values)``, one loop for each combination of runtime
     choices (branches outside the loops, so each loop is straight-line code); returns the bound
-    of the loop that ran (they differ where their steps do). A choice is an i1 (values True and False) or a list of ``(i1, value)`` tried in
-    order, the last one's i1 None (its default). ``width``: the loop's step, or a function of the
-    values giving it."""
+    of the loop that ran (they differ where their steps do). A choice is an i1 (values True and
+    False) or a list of ``(i1, value)`` tried in order, the last one's i1 None (its default).
+    ``width``: the loop's step, or a function of the values giving it."""
     if not choices:
         step = width(*values) if callable(width) else width
         return _bf16_row_loop(builder, n, lambda j: body(j, *values), step)
@@ -609,8 +609,9 @@ def scale_sum_bf16_rows(typingctx, x_addr, r_addr, o_addr, y_addr, w_addr, rstd,
     """The vector part of the output stage that reads no scratch row: for j below ``n`` rounded down
     to 32 (to 16 without r in DeepSeek's cast), ``s = x[j] + r[j]`` widened (``r_addr`` 0: ``s =
     x[j]``), ``o[j] = f32_to_bf16(s)`` (with ``r``) and ``y[j]`` from ``s`` as in
-    :func:`scale_bf16_rows` (w as there); x, r, o, y bf16 rows (o may be r, y may be x: each
-    vector is read before it is written).
+    :func:`scale_bf16_rows` (w as there, but for the Hugging Face gain's layout: QUADS here, see
+    :func:`hf_gain_row`); x, r, o, y bf16 rows (o may be r, y may be x: each vector is read before
+    it is written).
     ``stream``: o and y are written with non-temporal stores where both are aligned to the vectors
     stored (checked here; the caller fences). Returns where the scalar loop must start: 0 without
     AVX512-BF16 or for a float64 ``rstd`` (fp64 compute)."""

@@ -294,12 +294,15 @@ def gain_is_finite(w_addr, n):
 
 @njit(inline="always")
 def hf_gain(dst, w_addr, w_code, n, quads):
-    """dst[:n] = the gain at ``w_addr`` (dtype ``w_code``) as the Hugging Face order's bf16 output
-    stages on AVX512-BF16 targets read it: rounded to bf16 once per call instead of once per element
-    (a NaN to 0x7FC0, or in a bf16 gain's vector part kept as it is: y is a NaN there, rounded to
-    0x7FC0, either way), whole 32s laid out by :func:`dsnorm.cpu.intrinsics.hf_gain_row` (``quads``:
-    for the stages that read no scratch row), the tail in element order, where the stages' scalar
-    loops read it (rounding it again changes nothing)."""
+    """dst[:n] = the gain at ``w_addr`` (dtype ``w_code``: fp32 or bf16) as the Hugging Face
+    order's bf16 output stages on AVX512-BF16 targets read it: rounded to bf16 once per call instead
+    of once per element (a NaN to 0x7FC0, or in a bf16 gain's vector part kept as it is: y is a NaN
+    there, rounded to 0x7FC0, either way), whole 32s laid out by
+    :func:`dsnorm.cpu.intrinsics.hf_gain_row` (``quads``: for the stages that read no scratch row),
+    the tail in element order, where the stages' scalar loops read it (rounding it again changes
+    nothing)."""
+    if w_code != F32 and w_code != BF16:  # widens_gain widens the others first
+        raise ValueError("hf_gain: an fp32 or bf16 gain only")
     start = hf_gain_row(dst, w_addr, w_code, n, quads)
     tail = dst[start:n]
     load_row(w_addr, start, w_code, tail, n - start, False)
