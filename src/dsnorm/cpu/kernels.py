@@ -6,9 +6,8 @@ kernels that call it (plus the decode kernel, a serial one with fewer arguments)
   stage then read; inputs are read once from memory, outputs written once. On CPUs with
   AVX512-BF16, wide one-dtype bf16 rows in fp32 compute (not ``round_first``) skip it but for a
   row's tail: the sum reads the inputs, and the output stage reads them again from L2 (see
-  forward_rows). Then, as torch
-  computes it, ``mean = sum / n`` (true division), ``rstd = 1 / sqrt(mean + eps)`` (torch's CPU
-  rsqrt), ``xhat = s * rstd`` and only then ``weight * xhat``.
+  forward_rows). Then, as torch computes it, ``mean = sum / n`` (true division), ``rstd = 1 /
+  sqrt(mean + eps)`` (torch's CPU rsqrt), ``xhat = s * rstd`` and only then ``weight * xhat``.
 * Calls by address: a parallel kernel calls its per-thread rows kernel through the rows kernel's
   compiled address, handed to it as an argument, instead of by name. Called by name, numba links
   the callee's whole machine-code module into the parallel kernel's and LLVM optimises the linked
@@ -334,7 +333,8 @@ def decode32(rows, n, code, x_addr, x_stride, res_addr, w_addr, w_code, y_addr, 
     # Rows of one dtype, all contiguous but x's: the serial kernel with a third of the arguments
     # (unboxing each one is a noticeable part of a decode norm). The scratch row of a narrow call
     # is on the stack: a heap array costs more (the allocation, its reference counts); wider rows
-    # keep the heap. A bf16/fp16 gain (w_code) may be widened into the scratch's tail first (thread_gain).
+    # keep the heap. A bf16/fp16 gain (w_code) may be widened into the scratch's tail first
+    # (thread_gain).
     width = n + ACC_SLOTS
     total = width + n if widens_gain(w_code, cast_hf, code) else width
     if total <= _STACK_SCRATCH:
