@@ -35,7 +35,7 @@ from dsnorm.cpu.stages import load_row
 
 # This module's kernels compile those of the modules above into themselves: the digest of their
 # sources (see dsnorm.cpu.runtime) makes a change to any of them a change to this file.
-DEPENDENCIES_SHA256 = '3ebb87505834ca999019786615c9d4b4b4323e077540a3d9c8b4359defbcffa9'
+DEPENDENCIES_SHA256 = '2b54fa5df3a55f6bc252eb7205e37a22f872b7d01252f87ad3dda1c952447183'
 
 _ptr_u8 = pointer_intrinsic(types.uint8, ir.IntType(8))
 _ptr_i64 = pointer_intrinsic(types.int64, ir.IntType(64))

@@ -364,20 +364,32 @@ PAIRS = _EVENS + _ODDS
 QUADS = [4 * i + k for k in range(4) for i in range(8)]
 
 
-def load_bf16_pair(builder, base, index):
-    """IR: the 32 bf16 values from element ``index`` of the i16 pointer ``base``, widened, as two
-    <16 x float>: the even elements and the odd ones (a shift and a mask of one load, where two
-    vectors of consecutive elements take a widening shuffle and a shift each)."""
-    # The 32 words as 16 dwords: element 2i in the low half of dword i, element 2i + 1 in the high.
-    words = builder.load(vector_at(builder, base, _V16I, index), align=2)
+def _widen_pair(builder, bits):
+    """A <32 x i16> of bf16 bits widened, exactly, to two <16 x float>: its even elements and its
+    odd ones (read as 16 dwords, element 2i in the low half of dword i and 2i + 1 in the high: one
+    shift, one mask)."""
+    words = builder.bitcast(bits, _V16I)
     return (builder.bitcast(builder.shl(words, _splat(_V16I, 16)), _V16F),
             builder.bitcast(builder.and_(words, _splat(_V16I, 0xFFFF0000)), _V16F))
 
 
+def load_bf16_pair(builder, base, index):
+    """IR: the 32 bf16 values from element ``index`` of the i16 pointer ``base``, widened, as two
+    <16 x float>: the even elements and the odd ones (a shift and a mask of one load, where two
+    vectors of consecutive elements take a widening shuffle and a shift each)."""
+    return _widen_pair(builder, builder.load(vector_at(builder, base, _V32H, index), align=2))
+
+
+def _load_pair(builder, pf, j):
+    """The 32 fp32 values from element ``j`` of the float pointer ``pf`` as two <16 x float> of
+    consecutive elements: two plain loads."""
+    return tuple(builder.load(vector_at(builder, pf, _V16F, builder.add(j, ir.Constant(j.type, k))), align=4)
+                 for k in (0, 16))
+
+
 def _deinterleave(builder, pw, j):
     """The fp32 row's 32 values from element ``j`` as (evens, odds)."""
-    lo = builder.load(vector_at(builder, pw, _V16F, j), align=4)
-    hi = builder.load(vector_at(builder, pw, _V16F, builder.add(j, ir.Constant(j.type, 16))), align=4)
+    lo, hi = _load_pair(builder, pw, j)
     return (builder.shuffle_vector(lo, hi, ir.Constant(_V16I, _EVENS)),
             builder.shuffle_vector(lo, hi, ir.Constant(_V16I, _ODDS)))
 
@@ -459,9 +471,7 @@ def scale_bf16_rows(typingctx, y_addr, buf, w_addr, rstd, n, cast_hf):
                 s = builder.load(vector_at(builder, data, _V16F, j), align=4)
                 _emit_store_y(builder, s, scale, pw, py, j)
                 return
-            pair = tuple(builder.load(vector_at(builder, data, _V16F, builder.add(j, ir.Constant(j.type, k))),
-                                      align=4) for k in (0, 16))
-            _emit_store_y_hf(builder, pair, PAIRS, scale, pw, py, j)
+            _emit_store_y_hf(builder, _load_pair(builder, data, j), PAIRS, scale, pw, py, j)
 
         return _bf16_loops(builder, n_arg, [_cast_choice(cast_hf_arg)], body,
                            lambda cast: 16 if cast == "deepseek" else 32)
@@ -482,21 +492,6 @@ def _emit_store_y(builder, s, scale, pw, py, j, *, stream=False):
     _store_bits(builder, y, vector_at(builder, py, _V16H, j), stream)
 
 
-def _widen_pair(builder, bits):
-    """A <32 x i16> of bf16 bits widened, exactly, to two <16 x float>: its even elements and its
-    odd ones (read as 16 dwords: one shift, one mask)."""
-    words = builder.bitcast(bits, _V16I)
-    return (builder.bitcast(builder.shl(words, _splat(_V16I, 16)), _V16F),
-            builder.bitcast(builder.and_(words, _splat(_V16I, 0xFFFF0000)), _V16F))
-
-
-def _gain_halves(builder, pw, j):
-    """The 32 fp32 values from element ``j`` of the row ``pw`` as two <16 x float>: two plain loads
-    (the Hugging Face gain laid out by :func:`hf_gain_row` is in a stage's order already)."""
-    return tuple(builder.load(vector_at(builder, pw, _V16F, builder.add(j, ir.Constant(j.type, k))), align=4)
-                 for k in (0, 16))
-
-
 def _y_hf(builder, rnd, pair, scale, pw, j):
     """In a group of :func:`rounded_bf16`, y's bits in the Hugging Face order, ``f32_to_bf16(w *
     round(s * scale))``, for 32 values ``pair`` (two <16 x float>) and the gain prepared by
@@ -504,7 +499,7 @@ def _y_hf(builder, rnd, pair, scale, pw, j):
     :func:`_widen_pair` widens them again: held as PAIRS for consecutive values, QUADS for evens
     and odds; the gain is laid out so. x̂'s rounding leaves its test to y's (see rounded_bf16)."""
     xhat = _widen_pair(builder, rnd(tuple(builder.fmul(s, scale) for s in pair), 0))
-    return rnd(tuple(builder.fmul(w, q) for w, q in zip(_gain_halves(builder, pw, j), xhat)), SPECIAL_OR_ZERO)
+    return rnd(tuple(builder.fmul(w, q) for w, q in zip(_load_pair(builder, pw, j), xhat)), SPECIAL_OR_ZERO)
 
 
 def _emit_store_y_hf(builder, pair, layout, scale, pw, py, j, *, stream=False):
@@ -537,7 +532,7 @@ def hf_gain_row(typingctx, dst, w_addr, w_code, n, quads):
             if code == BF16:  # exact: only arranged and widened
                 words = builder.load(vector_at(builder, builder.inttoptr(wa, _I16.as_pointer()), _V32H, j), align=2)
             else:
-                natural = _gain_halves(builder, builder.inttoptr(wa, ir.FloatType().as_pointer()), j)
+                natural = _load_pair(builder, builder.inttoptr(wa, ir.FloatType().as_pointer()), j)
                 words = rounded_bf16(builder, lambda rnd: [rnd(natural)])[0]
             halves = _widen_pair(builder, _laid_out(builder, words, QUADS if quads else PAIRS))
             for k, half in zip((0, 16), halves):

@@ -64,7 +64,7 @@ from dsnorm.cpu.stages import (
 
 # This module's kernels compile those of the modules above into themselves: the digest of their
 # sources (see dsnorm.cpu.runtime) makes a change to any of them a change to this file.
-DEPENDENCIES_SHA256 = '4141ae3b83e93131542926e0e89f51d6d81d16a8040f0079a98cb7e535f9123d'
+DEPENDENCIES_SHA256 = 'ada1bfa053f5525c4af7c07d8ee4b2f91fb2eec39126e3fde03b31355162ecb4'
 
 # Software prefetch of the next row, interleaved with the store pass (see forward_rows): every
 # _PREFETCH_BYTES of output stored, the matching 64-byte lines of the next row's inputs are
